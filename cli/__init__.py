@@ -1,0 +1,1 @@
+"""hookline.cli: the ``hookline`` command line (click)."""

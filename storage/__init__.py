@@ -1,0 +1,70 @@
+"""hookline.storage: the HDF5 run format, the buffered background writer, the reader and the
+MLflow adapter. Needs only numpy and h5py (torch and mlflow are imported lazily, on use).
+
+Public names are re-exported here once; import them from ``hookline.storage``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from .errors import (
+    DuplicateNameError,
+    FormatError,
+    HookFunctionError,
+    HookOutputError,
+    HooklineError,
+    HookTypeError,
+    InvalidArgumentError,
+    StorageError,
+    TrackingError,
+    UnknownNameError,
+    WriterClosedError,
+)
+from .keys import handle_key
+
+# name -> submodule; resolved on first access so that `import hookline.storage` stays cheap and
+# never imports mlflow (or torch).
+_LAZY = {
+    "RunWriter": "writer",
+    "WriterStats": "writer",
+    "open_run": "reader",
+    "Run": "reader",
+    "Handle": "reader",
+    "Field": "reader",
+    "verify": "verify",
+    "VerifyReport": "verify",
+    "FORMAT_VERSION": "format",
+    "MlflowAdapter": "mlflow_adapter",
+    "sync": "mlflow_adapter",
+}
+
+__all__ = [
+    "DuplicateNameError",
+    "FormatError",
+    "HookFunctionError",
+    "HookOutputError",
+    "HooklineError",
+    "HookTypeError",
+    "InvalidArgumentError",
+    "StorageError",
+    "TrackingError",
+    "UnknownNameError",
+    "WriterClosedError",
+    "handle_key",
+    *_LAZY,
+]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'hookline.storage' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

@@ -1,0 +1,74 @@
+"""The one hookline error hierarchy.
+
+Every error hookline raises on purpose is a :class:`HooklineError`. Each subclass also inherits
+the built-in exception a Python user would expect (``KeyError`` for unknown names, ``ValueError``
+for bad values, ``TypeError`` for wrong types, ``OSError`` for storage failures), so existing
+``except`` clauses keep working. Messages quote the offending value and say how to fix it.
+
+This module lives in ``hookline.storage`` because storage is the bottom layer (``cli -> tracker
+-> storage``); ``hookline.tracker`` re-exports the same classes.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "HooklineError",
+    "UnknownNameError",
+    "DuplicateNameError",
+    "InvalidArgumentError",
+    "HookTypeError",
+    "HookOutputError",
+    "HookFunctionError",
+    "StorageError",
+    "WriterClosedError",
+    "FormatError",
+    "TrackingError",
+]
+
+
+class HooklineError(Exception):
+    """Base class of every error hookline raises on purpose."""
+
+
+class UnknownNameError(HooklineError, KeyError):
+    """A module, hook function, handle, field or run name that is not registered / present."""
+
+    def __str__(self) -> str:
+        # KeyError.__str__ repr()s its argument; keep the message readable.
+        return str(self.args[0]) if self.args else ""
+
+
+class DuplicateNameError(HooklineError, ValueError):
+    """A name that is already taken by a different object (e.g. one name for two modules)."""
+
+
+class InvalidArgumentError(HooklineError, ValueError):
+    """An argument with a valid type but an invalid value (unknown category, negative step...)."""
+
+
+class HookTypeError(HooklineError, TypeError):
+    """An argument of the wrong type (non-callable hook, non-Module target, bad field value)."""
+
+
+class HookOutputError(HooklineError, ValueError):
+    """A hook returned something that cannot replace the module's inputs or outputs."""
+
+
+class HookFunctionError(HooklineError, RuntimeError):
+    """A user hook raised; the message names the hook handle, ``__cause__`` is the original."""
+
+
+class StorageError(HooklineError, OSError):
+    """Writing or reading hookline data failed (full disk, I/O error, unreadable file)."""
+
+
+class WriterClosedError(HooklineError, ValueError):
+    """An operation on a writer or recorder that was already closed."""
+
+
+class FormatError(HooklineError, ValueError):
+    """A file or directory that is not valid hookline data (or of an unsupported version)."""
+
+
+class TrackingError(HooklineError, RuntimeError):
+    """An MLflow request failed (server down, upload error, unknown run)."""

@@ -1,0 +1,86 @@
+"""Collision-free mapping from hook handle ids to file names and MLflow keys.
+
+A handle id reads ``"<hook_fn_name>[<module_name>]"`` (e.g. ``outputs[blocks.0.mlp]``). Its
+*key* is used as the file name inside a run directory (``<key>.h5``), as the MLflow artifact
+path (``hookline/<key>.h5``) and inside MLflow tag and metric keys. MLflow keys allow only
+``[A-Za-z0-9_./\\- :]`` and at most 250 characters, so the key is an escaped form of the id:
+
+* An id of the form ``fn[module]`` becomes ``esc(fn) + "/" + esc(module)`` so that each hook
+  function gets its own folder (``outputs/blocks.0.mlp``). Any other id becomes ``esc(id)``.
+  Only the structured form contains ``/``, so the two forms never collide.
+* ``esc`` keeps ``A-Z a-z 0-9 _ .`` and writes every other character as ``-xx`` per UTF-8
+  byte (lower-case hex), e.g. ``-`` -> ``-2d``, ``<`` -> ``-3c``. Because ``-`` always starts an
+  escape, ``esc`` is injective. An empty part is written ``-e`` and a part that is all dots
+  (``.``/``..``, which are not usable as path components) gets a leading ``-d``; neither can be
+  produced by escaping, since ``e`` and ``d.`` are not two hex digits.
+* A key longer than :data:`MAX_KEY_LEN` is cut to ``MAX_KEY_LEN - 18`` characters (never inside
+  an escape) followed by ``-h`` and the first 16 hex digits of the SHA-1 of the id. ``h`` is not a
+  hex digit, so hashed keys cannot collide with unhashed ones.
+
+The original id is always stored in the file attributes, the manifest and the MLflow tag values.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+
+__all__ = ["handle_key", "MAX_KEY_LEN"]
+
+#: Longest key; leaves room for prefixes such as ``hookline.`` and ``.grad_out.0.norm_max``
+#: inside MLflow's 250-character key limit.
+MAX_KEY_LEN = 160
+
+_SAFE = re.compile(r"[A-Za-z0-9_.]")
+_STRUCTURED = re.compile(r"^(?P<fn>.+)\[(?P<mod>.*)\]$", re.DOTALL)
+
+
+def _esc(part: str) -> str:
+    if part == "":
+        return "-e"
+    out = []
+    for ch in part:
+        if _SAFE.fullmatch(ch):
+            out.append(ch)
+        else:
+            out.extend(f"-{b:02x}" for b in ch.encode("utf-8"))
+    text = "".join(out)
+    if set(text) == {"."}:
+        text = "-d" + text
+    return text
+
+
+def handle_key(handle_id: str) -> str:
+    """Return the file/MLflow key for a handle id.
+
+    Args:
+        handle_id: the hook handle id, usually ``"<hook_fn_name>[<module_name>]"``.
+
+    Returns:
+        A string of ``[A-Za-z0-9_./-]`` characters, at most :data:`MAX_KEY_LEN` long, distinct
+        for distinct ids.
+
+    Example:
+        >>> handle_key("outputs[blocks.0.mlp]")
+        'outputs/blocks.0.mlp'
+        >>> handle_key("my-hook[]")
+        'my-2dhook/-e'
+    """
+    if not isinstance(handle_id, str):
+        from .errors import HookTypeError
+
+        raise HookTypeError(f"handle id must be a str, got {handle_id!r} ({type(handle_id).__name__})")
+    m = _STRUCTURED.match(handle_id)
+    key = _esc(m["fn"]) + "/" + _esc(m["mod"]) if m else _esc(handle_id)
+    if len(key) <= MAX_KEY_LEN:
+        return key
+    cut = MAX_KEY_LEN - 18
+    head = key[:cut]
+    # Never cut inside an escape: drop a trailing partial "-x" / "-".
+    tail = head[-2:]
+    if tail.startswith("-"):
+        head = head[:-2]
+    elif tail.endswith("-"):
+        head = head[:-1]
+    digest = hashlib.sha1(handle_id.encode("utf-8")).hexdigest()[:16]
+    return f"{head}-h{digest}"
