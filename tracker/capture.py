@@ -1,0 +1,175 @@
+"""Capture hooks: the hook-function objects a :class:`~hookline.tracker.Recorder` hands out.
+
+A :class:`CaptureHook` is an ordinary callable registered through a
+:class:`~hookline.tracker.HookManager`. The manager tells it about every handle it is registered
+under (``_hookline_bind``), which is how the recorder learns handle ids, module names and types,
+and how it can deactivate its handles on steps that are not sampled.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from hookline.storage.errors import InvalidArgumentError
+
+from .stats import StatsSpec, compute_stats
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .recorder import Recorder
+
+__all__ = ["CaptureHook", "CaptureOptions", "KIND_CATEGORIES"]
+
+#: Which manager categories each capture kind may be registered under.
+KIND_CATEGORIES = {
+    "inputs": ("forward_pre_hook", "forward_hook"),
+    "outputs": ("forward_hook",),
+    "grads": ("backward_hook",),
+}
+_MODES = ("tensor", "stats")
+
+
+@dataclass(frozen=True)
+class CaptureOptions:
+    """Per-registration capture options (see :meth:`Recorder.hook`)."""
+
+    kind: str
+    mode: str = "tensor"
+    batch_slice: int | None = None
+    dtype: torch.dtype | None = None
+    stats: StatsSpec | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in KIND_CATEGORIES:
+            raise InvalidArgumentError(
+                f"unknown capture kind {self.kind!r}; use one of {sorted(KIND_CATEGORIES)}"
+            )
+        if self.mode not in _MODES:
+            raise InvalidArgumentError(f"unknown capture mode {self.mode!r}; use 'tensor' or 'stats'")
+        if self.batch_slice is not None and (
+            isinstance(self.batch_slice, bool) or not isinstance(self.batch_slice, int) or self.batch_slice < 1
+        ):
+            raise InvalidArgumentError(
+                f"batch_slice must be a positive int (keep the first K items), got {self.batch_slice!r}"
+            )
+        if self.dtype is not None and (not isinstance(self.dtype, torch.dtype) or not self.dtype.is_floating_point):
+            raise InvalidArgumentError(
+                f"dtype must be a floating torch dtype such as torch.bfloat16 or torch.float16, "
+                f"got {self.dtype!r}"
+            )
+
+    def default_name(self) -> str:
+        """Short, readable hook name: ``outputs``, ``outputs.stats``, ``grads.b4.bfloat16``..."""
+        parts = [self.kind]
+        if self.mode == "stats":
+            parts.append("stats")
+        if self.batch_slice is not None:
+            parts.append(f"b{self.batch_slice}")
+        if self.dtype is not None:
+            parts.append(str(self.dtype).removeprefix("torch."))
+        return ".".join(parts)
+
+
+@dataclass
+class _Binding:
+    """What the recorder knows about one handle its hook is registered under."""
+
+    handle: Any
+    handle_id: str
+    category: str
+    step: int | None = None  # step of the last record (for call numbering)
+    calls: int = 0
+    suspended: bool = False  # deactivated by the recorder (not by the user) on a skipped step
+
+
+class CaptureHook:
+    """A hook function that records what it sees into its recorder's run.
+
+    Its ``repr`` is its short name, so handle ids read ``outputs[blocks.0]``.
+    """
+
+    def __init__(self, recorder: Recorder, options: CaptureOptions, name: str | None = None) -> None:
+        self._recorder = recorder
+        self.options = options
+        self.name = name or options.default_name()
+        self._bindings: dict[int, _Binding] = {}  # id(module) -> binding
+
+    def __repr__(self) -> str:
+        return self.name
+
+    # --- manager protocol ---------------------------------------------------------------
+    def _hookline_bind(self, handle: Any) -> None:
+        """Called by HookManager for every handle this hook is registered under."""
+        category = handle.hook_fn.category
+        if category not in KIND_CATEGORIES[self.options.kind]:
+            raise InvalidArgumentError(
+                f"recorder hook {self.name!r} captures {self.options.kind} and cannot be registered "
+                f"as a {category}; register it with "
+                f"{' or '.join('register_' + c for c in KIND_CATEGORIES[self.options.kind])}"
+            )
+        binding = _Binding(handle=handle, handle_id=handle.name, category=category)
+        self._bindings[id(handle.module)] = binding
+        self._recorder._bind(self, binding)
+
+    def _hookline_unbind(self, handle: Any) -> None:
+        """Called by HookManager when a handle of this hook is removed."""
+        binding = self._bindings.get(id(handle.module))
+        if binding is not None and binding.handle is handle:
+            del self._bindings[id(handle.module)]
+            self._recorder._unbind(self, binding)
+
+    # --- hook entry points --------------------------------------------------------------
+    def __call__(self, module: torch.nn.Module, *args: Any) -> None:
+        t0 = time.perf_counter_ns()
+        binding = self._bindings.get(id(module))
+        if binding is None:
+            raise InvalidArgumentError(
+                f"recorder hook {self.name!r} fired for a module it was not registered on through a "
+                f"HookManager ({type(module).__name__}); register it with "
+                f"HookManager.register_*_hook(rec.{self.options.kind}, ...)"
+            )
+        kind = self.options.kind
+        if kind == "grads":
+            groups = (("grad_in", args[0]), ("grad_out", args[1]))
+        elif kind == "inputs":
+            groups = (("inputs", args[0]),)
+        else:
+            groups = (("outputs", args[1]),)
+        self._recorder._capture(self, binding, groups, t0)
+        return None
+
+
+def field_tensors(
+    groups: tuple[tuple[str, Any], ...], options: CaptureOptions
+) -> tuple[list[str], list[torch.Tensor], list[str]]:
+    """Name, slice and cast the tensors of one firing.
+
+    Returns:
+        ``(names, tensors, skipped)``: field names (``outputs.0``, ``grad_in.1``...), the tensors to
+        copy (stats mode: one packed stats tensor per field), and the paths of non-tensor leaves
+        and ``None`` gradients that were not recorded.
+    """
+    names: list[str] = []
+    tensors: list[torch.Tensor] = []
+    skipped: list[str] = []
+    for prefix, leaves in groups:
+        paths = getattr(leaves, "paths", None) or tuple(str(i) for i in range(len(leaves)))
+        skipped.extend(f"{prefix}.{p}" for p in getattr(leaves, "skipped", ()))
+        for path, t in zip(paths, leaves):
+            name = f"{prefix}.{path}"
+            if t is None:
+                skipped.append(name)
+                continue
+            if options.batch_slice is not None and t.dim() > 0:
+                t = t[: options.batch_slice]
+            t = t.detach()
+            if options.dtype is not None and t.is_floating_point() and t.dtype != options.dtype:
+                t = t.to(options.dtype)
+            if options.mode == "stats":
+                t = compute_stats(t, options.stats or StatsSpec())
+            names.append(name)
+            tensors.append(t)
+    return names, tensors, skipped

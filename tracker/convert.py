@@ -1,0 +1,115 @@
+"""Tensor -> storage field conversion, off the training thread's critical path as far as possible.
+
+``storage`` takes numpy arrays, or ``(raw_bits, dtype_name)`` pairs for dtypes numpy lacks
+(bfloat16, float8 variants, complex32). Everything here is zero-copy on the numpy side: the tensor
+handed in must already be a private copy (see :class:`DeviceCopier`).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any, Callable, Union
+
+import numpy as np
+import torch
+
+__all__ = ["FieldValue", "to_field", "DeviceCopier", "BITS_DTYPES"]
+
+FieldValue = Union[np.ndarray, "tuple[np.ndarray, str]"]
+
+#: torch dtypes numpy cannot represent -> (integer view dtype, numpy bits dtype, storage name).
+BITS_DTYPES: dict[torch.dtype, tuple[torch.dtype, np.dtype, str]] = {
+    torch.bfloat16: (torch.int16, np.dtype(np.uint16), "bfloat16"),
+}
+for _name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu"):
+    _dt = getattr(torch, _name, None)
+    if _dt is not None:
+        BITS_DTYPES[_dt] = (torch.uint8, np.dtype(np.uint8), _name)
+if hasattr(torch, "complex32"):
+    BITS_DTYPES[torch.complex32] = (torch.int32, np.dtype(np.uint32), "complex32")
+
+
+def to_field(t: torch.Tensor) -> FieldValue:
+    """Return the storage value of a CPU tensor without copying.
+
+    Args:
+        t: a dense CPU tensor the caller owns (a private copy).
+
+    Returns:
+        A numpy array sharing memory with ``t``, or ``(bits, dtype_name)`` for bfloat16, float8
+        variants and complex32, whose bits are reinterpreted bit-exactly.
+
+    Raises:
+        TypeError: for tensor layouts numpy cannot view (sparse, quantized).
+    """
+    bits = BITS_DTYPES.get(t.dtype)
+    if bits is not None:
+        view_dtype, np_bits, name = bits
+        return t.view(view_dtype).numpy().view(np_bits), name
+    return t.numpy()
+
+
+def fresh_copy(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous private copy of a CPU tensor (the hook's tensor may change in place later)."""
+    return t.clone(memory_format=torch.contiguous_format)
+
+
+class DeviceCopier:
+    """Moves captured tensors to host memory without synchronising the device inside hooks.
+
+    CPU tensors are cloned synchronously (the caller may modify them in place right after the
+    hook returns). CUDA tensors are copied with ``non_blocking=True`` into pinned host buffers and
+    an event is recorded on the current stream; the record is handed on (``deliver``) only once
+    the event has completed, checked without blocking on every later capture and with a blocking
+    wait in :meth:`drain`. This keeps ``torch.cuda.synchronize`` out of the training loop.
+
+    Args:
+        deliver: called with ``(payload, host_tensors)`` once the copies of a record are complete.
+        event_factory: creates an object with ``record()``, ``query()`` and ``synchronize()``;
+            defaults to ``torch.cuda.Event``. Injectable so the pending logic is testable on CPU.
+    """
+
+    def __init__(
+        self,
+        deliver: Callable[[Any, list[torch.Tensor]], None],
+        event_factory: Callable[[], Any] | None = None,
+    ) -> None:
+        self._deliver = deliver
+        self._event_factory = event_factory or (lambda: torch.cuda.Event())
+        self._pending: deque[tuple[Any, Any, list[torch.Tensor]]] = deque()
+
+    @property
+    def pending(self) -> int:
+        """Number of records whose device copies have not been delivered yet."""
+        return len(self._pending)
+
+    def submit(self, payload: Any, tensors: list[torch.Tensor]) -> None:
+        """Copy ``tensors`` to host memory and deliver them with ``payload`` when ready."""
+        if not any(t.device.type != "cpu" for t in tensors):
+            self._poll()
+            self._deliver(payload, [fresh_copy(t) for t in tensors])
+            return
+        host = []
+        for t in tensors:
+            if t.device.type == "cpu":
+                host.append(fresh_copy(t))
+            else:
+                buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                buf.copy_(t, non_blocking=True)
+                host.append(buf)
+        event = self._event_factory()
+        event.record()
+        self._pending.append((event, payload, host))
+        self._poll()
+
+    def _poll(self) -> None:
+        while self._pending and self._pending[0][0].query():
+            _, payload, host = self._pending.popleft()
+            self._deliver(payload, host)
+
+    def drain(self) -> None:
+        """Block until every pending copy is complete and delivered (used by flush/close)."""
+        while self._pending:
+            event, payload, host = self._pending.popleft()
+            event.synchronize()
+            self._deliver(payload, host)

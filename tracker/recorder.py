@@ -1,0 +1,426 @@
+"""The Recorder: hook functions that stream activations and gradients into a hookline run."""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import threading
+import time
+import weakref
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+import numpy as np
+import torch
+
+from hookline.storage.errors import InvalidArgumentError, WriterClosedError
+
+from .capture import CaptureHook, CaptureOptions, _Binding, field_tensors
+from .convert import DeviceCopier, to_field
+from .stats import SCALAR_STATS, StatsSpec, split_stats
+
+__all__ = ["Recorder", "RecorderSummary", "HandleSummary"]
+
+log = logging.getLogger("hookline")
+
+
+@dataclass
+class HandleSummary:
+    """What one hook handle recorded."""
+
+    handle_id: str
+    records: int = 0
+    bytes: int = 0
+    dropped: int = 0
+    hook_seconds: float = 0.0
+    skipped_fields: list[str] = field(default_factory=list)
+
+
+@dataclass
+class RecorderSummary:
+    """Returned by :meth:`Recorder.close`: per-handle records, bytes, drops and hook time."""
+
+    run_dir: str
+    handles: dict[str, HandleSummary]
+    mlflow_run_id: str | None = None
+    mlflow_error: str | None = None
+
+    @property
+    def records(self) -> int:
+        return sum(h.records for h in self.handles.values())
+
+    @property
+    def bytes(self) -> int:
+        return sum(h.bytes for h in self.handles.values())
+
+    @property
+    def dropped(self) -> int:
+        return sum(h.dropped for h in self.handles.values())
+
+    def __str__(self) -> str:
+        lines = [f"hookline run {self.run_dir}: {self.records} records, {self.bytes / 1e6:.1f} MB"
+                 + (f", {self.dropped} DROPPED" if self.dropped else "")]
+        for h in self.handles.values():
+            lines.append(
+                f"  {h.handle_id:<40} {h.records:>7} rec {h.bytes / 1e6:>9.2f} MB"
+                f" {h.dropped:>5} dropped {h.hook_seconds * 1e3:>8.1f} ms in hooks"
+            )
+        if self.mlflow_run_id:
+            lines.append(f"  mlflow run {self.mlflow_run_id}" + (f": ERROR {self.mlflow_error}" if self.mlflow_error else ""))
+        return "\n".join(lines)
+
+
+def _check_step(n: Any) -> int:
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
+        raise InvalidArgumentError(f"step must be a non-negative int, got {n!r}")
+    return int(n)
+
+
+class Recorder:
+    """Records activations and gradients of hooked modules into a run directory.
+
+    Register its hook functions through a :class:`~hookline.tracker.HookManager`::
+
+        mgr = HookManager()
+        with Recorder("runs/baseline", every=10) as rec:
+            mgr.register_forward_hook(rec.outputs, **select(model, "blocks.*"))
+            mgr.register_backward_hook(rec.grads, **select(model, "blocks.*"))
+            for step, batch in enumerate(loader):
+                with rec.step(step):
+                    loss_fn(model(batch)).backward()
+
+    Each firing of a hook is one record ``(step, call, tensors)`` in that handle's HDF5 file;
+    ``call`` counts the firings of the handle within the step (a module called twice gives calls
+    0 and 1). Tensors are detached and copied on the training thread (CPU: one ``clone``; CUDA:
+    a ``non_blocking`` copy into pinned memory, delivered when its event completes) and written
+    by the storage layer's background thread.
+
+    Args:
+        run_dir: directory of the run (created; must not already hold a run).
+        every: record every N-th step (``step % every == 0``). Default 1.
+        steps: explicit steps to record instead of ``every``.
+        max_buffer_mb: memory budget for data captured but not yet on disk.
+        policy: ``"block"`` (wait for the disk) or ``"drop"`` (drop records, counted) when the
+            budget is exhausted.
+        compression: storage compression (``None``, ``"gzip"``, ``"lzf"``, ``"zstd"``, ``"lz4"``).
+        mlflow_run_id: register the run's data with this MLflow run at close.
+        tracking_uri: MLflow tracking URI (default: MLflow's own resolution).
+        rank, world_size: distributed rank information (stored in names and attributes).
+        meta: extra JSON-serialisable run metadata.
+        stats: histogram bins for ``mode="stats"`` hooks.
+    """
+
+    def __init__(
+        self,
+        run_dir: str | Path,
+        *,
+        every: int = 1,
+        steps: Iterable[int] | None = None,
+        max_buffer_mb: float = 512,
+        policy: str = "block",
+        compression: str | None = None,
+        mlflow_run_id: str | None = None,
+        tracking_uri: str | None = None,
+        rank: int | None = None,
+        world_size: int | None = None,
+        meta: dict[str, Any] | None = None,
+        stats: StatsSpec | None = None,
+    ) -> None:
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise InvalidArgumentError(f"every must be a positive int (record every N-th step), got {every!r}")
+        if steps is not None:
+            if every != 1:
+                raise InvalidArgumentError(
+                    f"give either every={every!r} or steps=..., not both"
+                )
+            steps = frozenset(_check_step(s) for s in steps)
+        self.every = every
+        self.steps = steps
+        self.run_dir = Path(run_dir)
+        self.stats_spec = stats or StatsSpec()
+        self.mlflow_run_id = mlflow_run_id
+        self.tracking_uri = tracking_uri
+        run_meta = {"torch_version": torch.__version__, "every": every,
+                    "steps": sorted(steps) if steps is not None else None, **(meta or {})}
+        if mlflow_run_id is not None:
+            run_meta["mlflow_run_id"] = mlflow_run_id
+        from hookline.storage import RunWriter
+
+        self._writer = RunWriter(
+            self.run_dir,
+            max_buffer_mb=max_buffer_mb,
+            policy=policy,
+            compression=compression,
+            rank=rank,
+            world_size=world_size,
+            meta=run_meta,
+        )
+        self.rank, self.world_size = rank, world_size
+        self._lock = threading.Lock()
+        self._step: int | None = None
+        self._sampled = True
+        self._closed = False
+        self._bindings: list[tuple[CaptureHook, _Binding]] = []
+        self._summaries: dict[str, HandleSummary] = {}
+        self._copier = DeviceCopier(self._deliver)
+        self.inputs = CaptureHook(self, CaptureOptions("inputs"))
+        self.outputs = CaptureHook(self, CaptureOptions("outputs"))
+        self.grads = CaptureHook(self, CaptureOptions("grads"))
+        # Close at interpreter exit so buffered data reaches the disk (weakly: no leak).
+        self._atexit = _weak_close(self)
+        atexit.register(self._atexit)
+
+    # --- configuration ------------------------------------------------------------------
+    def hook(
+        self,
+        kind: str,
+        *,
+        mode: str = "tensor",
+        batch_slice: int | None = None,
+        dtype: torch.dtype | None = None,
+        name: str | None = None,
+    ) -> CaptureHook:
+        """Return a configured hook function for one registration.
+
+        Args:
+            kind: ``"inputs"`` (forward pre hook), ``"outputs"`` (forward hook) or ``"grads"``
+                (backward hook: ``grad_in`` and ``grad_out``).
+            mode: ``"tensor"`` stores tensors; ``"stats"`` stores per-record ``norm``, ``mean``,
+                ``std``, ``min``, ``max``, ``absmax`` scalars and a fixed-bin ``hist`` per field.
+            batch_slice: keep only the first K items along dimension 0.
+            dtype: cast floating tensors (e.g. ``torch.bfloat16``) before storing.
+            name: the hook function's name (its ``repr``, used in handle ids). Default derived
+                from the options, e.g. ``outputs.stats.b4``.
+
+        Example:
+            >>> mgr.register_forward_hook(rec.hook("outputs", mode="stats"), **select(model, "*"))
+        """
+        if name is not None and (not isinstance(name, str) or not name):
+            raise InvalidArgumentError(f"hook name must be a non-empty str, got {name!r}")
+        opts = CaptureOptions(kind, mode=mode, batch_slice=batch_slice, dtype=dtype,
+                              stats=self.stats_spec if mode == "stats" else None)
+        return CaptureHook(self, opts, name)
+
+    # --- steps and sampling ---------------------------------------------------------------
+    def is_sampled(self, step: int) -> bool:
+        """Whether ``step`` is recorded under this recorder's ``every``/``steps`` setting."""
+        return step in self.steps if self.steps is not None else step % self.every == 0
+
+    @property
+    def current_step(self) -> int | None:
+        """The step being recorded, or None outside any step."""
+        return self._step
+
+    def set_step(self, step: int) -> None:
+        """Make ``step`` the current step (for loops that prefer a setter to ``with rec.step``).
+
+        On steps that are not sampled the recorder deactivates its handles through the manager
+        (no torch hook is left on the modules, so they cost nothing) and reactivates them on the
+        next sampled step. Handles the user deactivated stay deactivated.
+        """
+        self._check_open()
+        step = _check_step(step)
+        self._raise_writer_error()
+        sampled = self.is_sampled(step)
+        with self._lock:
+            self._step = step
+            if sampled != self._sampled:
+                self._sampled = sampled
+                for _, b in self._bindings:
+                    if sampled and b.suspended:
+                        b.suspended = False
+                        b.handle.activate()
+                    elif not sampled and b.handle.active:
+                        b.suspended = True
+                        b.handle.deactivate()
+
+    @contextmanager
+    def step(self, step: int) -> Iterator[int]:
+        """Context for one training step: records made inside carry ``step``.
+
+        Example:
+            >>> with rec.step(7):
+            ...     loss_fn(model(batch)).backward()
+        """
+        self.set_step(step)
+        try:
+            yield self._step  # type: ignore[misc]
+        finally:
+            self._step = None
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """Suspend this recorder's handles (e.g. around an evaluation loop), restore on exit."""
+        self._check_open()
+        paused = [b for _, b in self._bindings if b.handle.active]
+        for b in paused:
+            b.handle.deactivate()
+        try:
+            yield
+        finally:
+            for b in paused:
+                if any(b is bb for _, bb in self._bindings):  # not removed meanwhile
+                    b.handle.activate()
+
+    # --- binding (called by CaptureHook) ----------------------------------------------------
+    def _bind(self, hook: CaptureHook, binding: _Binding) -> None:
+        self._check_open()
+        handle = binding.handle
+        module = handle.module
+        fn_name = handle.hook_fn.name
+        module_name = binding.handle_id[len(fn_name) + 1 : -1] if binding.handle_id.startswith(fn_name + "[") else ""
+        opts = hook.options
+        meta: dict[str, Any] = {"kind": opts.kind, "mode": opts.mode,
+                                "batch_slice": opts.batch_slice,
+                                "cast_dtype": str(opts.dtype).removeprefix("torch.") if opts.dtype else None}
+        if opts.mode == "stats":
+            meta["stats"] = list(SCALAR_STATS) + ["hist"]
+            meta["hist_edges"] = self.stats_spec.edges.tolist()
+        self._writer.add_handle(
+            binding.handle_id,
+            module_name=module_name,
+            module_type=f"{type(module).__module__}.{type(module).__qualname__}",
+            category=binding.category,
+            hook_fn_name=fn_name,
+            meta=meta,
+        )
+        with self._lock:
+            self._bindings.append((hook, binding))
+            self._summaries.setdefault(binding.handle_id, HandleSummary(binding.handle_id))
+            if not self._sampled and handle.active:
+                binding.suspended = True
+                handle.deactivate()
+
+    def _unbind(self, hook: CaptureHook, binding: _Binding) -> None:
+        with self._lock:
+            self._bindings = [(h, b) for h, b in self._bindings if b is not binding]
+
+    # --- hot path ---------------------------------------------------------------------------
+    def _capture(self, hook: CaptureHook, binding: _Binding, groups: Any, t0: int) -> None:
+        step = self._step
+        if step is None:
+            raise InvalidArgumentError(
+                f"{binding.handle_id} fired outside any recorder step: wrap the forward/backward in "
+                f"`with rec.step(n):` (or call rec.set_step(n)), or use `with rec.paused():` for "
+                f"passes that should not be recorded"
+            )
+        if self._closed:
+            raise WriterClosedError(
+                f"{binding.handle_id} fired after the recorder for {str(self.run_dir)!r} was closed; "
+                f"remove its hooks (mgr.remove_hook_function(rec.{hook.options.kind})) or record "
+                f"with a new Recorder"
+            )
+        if binding.step != step:
+            binding.step, binding.calls = step, 0
+        call = binding.calls
+        binding.calls += 1
+        names, tensors, skipped = field_tensors(groups, hook.options)
+        summary = self._summaries[binding.handle_id]
+        if skipped:
+            for s in skipped:
+                if s not in summary.skipped_fields:
+                    summary.skipped_fields.append(s)
+        self._copier.submit((binding.handle_id, step, call, names, hook.options.mode), tensors)
+        summary.hook_seconds += (time.perf_counter_ns() - t0) * 1e-9
+
+    def _deliver(self, payload: tuple, host: list[torch.Tensor]) -> None:
+        handle_id, step, call, names, mode = payload
+        fields: dict[str, Any] = {}
+        if mode == "stats":
+            for name, t in zip(names, host):
+                fields.update(split_stats(name, t.numpy()))
+        else:
+            for name, t in zip(names, host):
+                fields[name] = to_field(t)
+        nbytes = sum((v[0] if isinstance(v, tuple) else v).nbytes for v in fields.values())
+        accepted = self._writer.write(handle_id, step, call, fields)
+        summary = self._summaries[handle_id]
+        if accepted:
+            summary.records += 1
+            summary.bytes += nbytes
+        else:
+            summary.dropped += 1
+
+    # --- lifecycle --------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise WriterClosedError(
+                f"the recorder for {str(self.run_dir)!r} is closed; create a new Recorder to record more"
+            )
+
+    def _raise_writer_error(self) -> None:
+        check = getattr(self._writer, "raise_if_failed", None)
+        if check is not None:
+            check()
+
+    def flush(self) -> None:
+        """Block until everything captured so far is on disk (and readable after a crash)."""
+        self._check_open()
+        self._copier.drain()
+        self._writer.flush()
+
+    def summary(self) -> RecorderSummary:
+        """Per-handle records, bytes, drops and time spent in hooks so far."""
+        return RecorderSummary(str(self.run_dir), dict(self._summaries), self.mlflow_run_id)
+
+    def close(self) -> RecorderSummary:
+        """Flush, close the files, upload to MLflow if configured; idempotent.
+
+        Returns:
+            The :class:`RecorderSummary` (also logged at INFO level on the ``hookline`` logger).
+
+        Raises:
+            StorageError: if writing failed (what was flushed before stays readable).
+            TrackingError: if the MLflow upload failed (local files are complete; use
+                ``hookline sync`` to upload later).
+        """
+        if self._closed:
+            return self.summary()
+        atexit.unregister(self._atexit)
+        try:
+            self._copier.drain()
+        finally:
+            self._closed = True
+            # The recorder's hooks are useless once it is closed: remove them from their managers
+            # so later forwards of the model neither pay for them nor fail.
+            for _, b in list(self._bindings):
+                b.handle.remove()
+            self._writer.close()
+        summary = self.summary()
+        if self.mlflow_run_id is not None:
+            from hookline.storage.mlflow_adapter import MlflowAdapter
+
+            adapter = MlflowAdapter(self.mlflow_run_id, tracking_uri=self.tracking_uri, rank=self.rank)
+            try:
+                adapter.log_run_dir(self.run_dir)
+            except Exception as e:  # reported in the summary, then raised for the caller
+                summary.mlflow_error = str(e)
+                log.error("%s", summary)
+                raise
+        log.info("%s", summary)
+        return summary
+
+    def __enter__(self) -> Recorder:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Recorder({str(self.run_dir)!r}, every={self.every}, closed={self._closed})"
+
+
+def _weak_close(rec: Recorder):
+    ref = weakref.ref(rec)
+
+    def close() -> None:
+        r = ref()
+        if r is not None and not r._closed:
+            try:
+                r.close()
+            except Exception as e:  # at exit there is no caller left to raise to
+                log.error("hookline: closing %r at exit failed: %s", r, e)
+
+    return close
