@@ -1,0 +1,1072 @@
+"""MLflow adapter: register a hookline run directory with an MLflow run, and read it back.
+
+Everything MLflow-related in hookline goes through this module. ``mlflow`` is imported lazily,
+inside functions, so ``import hookline.storage`` stays cheap and works without mlflow.
+
+Design (modelled on Lightning's ``MLFlowLogger``): an explicit :class:`mlflow.MlflowClient` plus
+a run id everywhere, never the fluent active-run stack (``mlflow.start_run``/``mlflow.log_*``),
+which is per-thread/per-process global state.
+
+What one sync pass does (:meth:`MlflowAdapter.log_run_dir`, :meth:`MlflowAdapter.submit`,
+:func:`sync`):
+
+1. reads the run directory's manifest(s) (``manifest.json`` / ``manifest.rank<r>.json``);
+2. uploads every handle file whose size/SHA-256 differs from the ``.../synced`` tag of the run
+   as artifact ``hookline/<file>`` (``<file>`` is the manifest's relative path, i.e.
+   ``<key>.h5`` or ``<key>.rank<r>.h5``), several at once on a small thread pool;
+3. logs the per-record L2 norms of every field as metric series (step = training step) for the
+   records not yet logged, plus ``norm_max``/``norm_last`` summary metrics, with ``log_batch``;
+4. logs the per-handle and run-level tags with ``log_batch``;
+5. uploads the manifest(s) last, as ``hookline/manifest.json`` / ``hookline/manifest.rank<r>.json``.
+
+Idempotence: files are compared by size + SHA-256 against the ``synced`` tags and skipped when
+equal; metric points carry deterministic timestamps (manifest creation time + record index), so a
+repeated point is identical and MLflow's SQL store drops it instead of storing a duplicate; the
+``records`` tag is the watermark of records already logged, so a repeat pass does not even send
+them again.
+
+Naming scheme (see docs/mlflow.md): with ``K = handle_key(handle_id)`` (plus ``-rank<r>`` when
+ranked) a handle's tags are ``hookline.K/<name>`` and its metrics ``hookline.K/<field>.norm``,
+``.norm_max``, ``.norm_last``. ``K`` holds at most one ``/`` and field names are escaped like
+handle keys (no ``/``), so the last ``/`` always separates the handle from the name; run-level
+tags (``hookline.version``, ``hookline.has.<ModuleType>``...) contain no ``/`` at all.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import threading
+import time
+import uuid
+import weakref
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable
+
+import numpy as np
+
+from .errors import FormatError, InvalidArgumentError, TrackingError, UnknownNameError
+from .keys import _esc, handle_key
+
+__all__ = [
+    "MlflowAdapter",
+    "MlflowSource",
+    "SyncReport",
+    "sync",
+    "mlflow_source",
+    "tag_key",
+    "metric_key",
+    "parse_run_uri",
+]
+
+log = logging.getLogger("hookline.mlflow")
+
+#: MLflow's limit on tag/metric key length.
+MAX_MLFLOW_KEY = 250
+#: MLflow's limit on tag value length (longer values are cut, with a marker).
+MAX_TAG_VALUE = 8000
+#: Artifact folder that holds a run directory inside the MLflow run.
+ARTIFACT_ROOT = "hookline"
+#: Summary statistics logged per field, next to the ``.norm`` series.
+SUMMARY_STATS = ("norm_max", "norm_last")
+#: ``mode="stats"`` fields other than ``.norm`` get no metric series of their own.
+_STATS_SUFFIXES = (".mean", ".std", ".min", ".max", ".absmax", ".hist")
+_RUN_ID = re.compile(r"^[0-9a-f]{32}$")
+_MANIFEST = re.compile(r"^manifest(?:\.rank(\d+))?\.json$")
+
+
+# --------------------------------------------------------------------------------------------
+# naming
+# --------------------------------------------------------------------------------------------
+
+
+def _fit(prefix: str, body: str, tail: str = "") -> str:
+    """``prefix + body + tail`` cut to MLflow's 250 characters by hashing the end of ``body``."""
+    key = prefix + body + tail
+    if len(key) <= MAX_MLFLOW_KEY:
+        return key
+    budget = MAX_MLFLOW_KEY - len(prefix) - len(tail) - 18
+    if budget < 0:  # cannot happen with handle_key's MAX_KEY_LEN, but never emit a bad key
+        raise InvalidArgumentError(f"MLflow key prefix {prefix!r} is too long; use a shorter handle id")
+    head = body[:budget]
+    if head[-2:].startswith("-"):
+        head = head[:-2]
+    elif head.endswith("-"):
+        head = head[:-1]
+    digest = hashlib.sha1(body.encode("utf-8")).hexdigest()[:16]
+    return f"{prefix}{head}-h{digest}{tail}"
+
+
+def _handle_prefix(handle_id: str, rank: int | None) -> str:
+    key = handle_key(handle_id)
+    return f"hookline.{key}" + (f"-rank{int(rank)}" if rank is not None else "") + "/"
+
+
+def tag_key(handle_id: str, name: str, *, rank: int | None = None) -> str:
+    """The MLflow tag key of one per-handle tag.
+
+    Args:
+        handle_id: the hook handle id, e.g. ``"outputs[blocks.0]"``.
+        name: tag name: ``id``, ``module``, ``module_type``, ``category``, ``fields``, ``shape``,
+            ``dtype``, ``records``, ``artifact`` or ``synced``.
+        rank: the distributed rank, if the run was recorded with one.
+
+    Returns:
+        e.g. ``"hookline.outputs/blocks.0/id"`` (``"hookline.outputs/blocks.0-rank1/id"``).
+    """
+    return _fit(_handle_prefix(handle_id, rank), _esc(name))
+
+
+def metric_key(handle_id: str, field_name: str, stat: str = "norm", *, rank: int | None = None) -> str:
+    """The MLflow metric key of a field's norm series or summary.
+
+    Args:
+        handle_id: the hook handle id, e.g. ``"grads[blocks.0]"``.
+        field_name: the field, e.g. ``"grad_out.0"``.
+        stat: ``"norm"`` (per-step series), ``"norm_max"`` or ``"norm_last"``.
+        rank: the distributed rank, if the run was recorded with one.
+
+    Returns:
+        e.g. ``"hookline.grads/blocks.0/grad_out.0.norm_max"``. Keys longer than 250 characters
+        keep their start and end and replace the middle of the field name by ``-h<sha1[:16]>``.
+    """
+    return _fit(_handle_prefix(handle_id, rank), _esc(field_name), "." + stat)
+
+
+def _type_name(module_type: str | None) -> str | None:
+    if not module_type:
+        return None
+    return _esc(str(module_type).rsplit(".", 1)[-1])
+
+
+def _cut(value: str) -> str:
+    if len(value) <= MAX_TAG_VALUE:
+        return value
+    return value[: MAX_TAG_VALUE - 20] + "...[truncated]"
+
+
+# --------------------------------------------------------------------------------------------
+# mlflow access
+# --------------------------------------------------------------------------------------------
+
+
+def _client(tracking_uri: str | None) -> Any:
+    try:
+        from mlflow import MlflowClient
+    except ImportError as e:  # pragma: no cover - mlflow is a dependency
+        raise TrackingError(
+            "the MLflow adapter needs mlflow: install it with `pip install mlflow` "
+            f"(import failed: {e})"
+        ) from e
+    return MlflowClient(tracking_uri=tracking_uri)
+
+
+def _uri_of(client: Any) -> str:
+    return str(getattr(client, "_tracking_client", None) and client._tracking_client.tracking_uri or "?")
+
+
+def _get_run(client: Any, run_id: str) -> Any:
+    """``client.get_run`` with hookline errors that quote the run id and the tracking URI."""
+    try:
+        return client.get_run(run_id)
+    except Exception as e:  # noqa: BLE001 - classify mlflow's errors
+        code = getattr(e, "error_code", "")
+        uri = _uri_of(client)
+        if code == "RESOURCE_DOES_NOT_EXIST" or "not found" in str(e).lower():
+            raise UnknownNameError(
+                f"MLflow run {run_id!r} not found at tracking URI {uri!r}: check the run id "
+                "(`mlflow runs list`, the MLflow UI) or pass the right tracking URI "
+                "(tracking_uri=... / --tracking-uri / MLFLOW_TRACKING_URI)"
+            ) from e
+        raise TrackingError(f"cannot reach MLflow run {run_id!r} at tracking URI {uri!r}: {_short(e)}") from e
+
+
+def _short(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    first = text[0] if text else type(e).__name__
+    return f"{type(e).__name__}: {first[:500]}"
+
+
+# --------------------------------------------------------------------------------------------
+# local run directory
+# --------------------------------------------------------------------------------------------
+
+
+def _load_manifests(run_dir: Path, rank: int | None) -> list[tuple[Path, dict]]:
+    if not run_dir.is_dir():
+        raise UnknownNameError(
+            f"run directory {str(run_dir)!r} does not exist: pass the directory a Recorder/RunWriter wrote"
+        )
+    found = sorted(p for p in run_dir.iterdir() if _MANIFEST.match(p.name))
+    if rank is not None:
+        ranked = [p for p in found if p.name == f"manifest.rank{int(rank)}.json"]
+        found = ranked or [p for p in found if p.name == "manifest.json"]
+    if not found:
+        raise FormatError(
+            f"{str(run_dir)!r} has no manifest.json: it is not a hookline run directory "
+            "(run `hookline verify` on it, or pass the directory a Recorder wrote)"
+        )
+    out = []
+    for p in found:
+        try:
+            man = json.loads(p.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as e:
+            raise FormatError(f"manifest {str(p)!r} is not readable JSON ({e}); run `hookline verify` on the run") from e
+        if not isinstance(man, dict) or not isinstance(man.get("handles", {}), dict):
+            raise FormatError(f"manifest {str(p)!r} has no 'handles' mapping; run `hookline verify` on the run")
+        out.append((p, man))
+    return out
+
+
+def _created_ms(man: dict) -> int:
+    created = man.get("created")
+    if isinstance(created, str):
+        try:
+            return int(_dt.datetime.fromisoformat(created).timestamp() * 1000)
+        except ValueError:
+            pass
+    return 0
+
+
+def _file_digest(path: Path, cache: dict) -> str:
+    """``"<size>:<sha256>"`` of a file, memoised on (size, mtime_ns)."""
+    st = path.stat()
+    sig = (st.st_size, st.st_mtime_ns)
+    hit = cache.get(path)
+    if hit is not None and hit[0] == sig:
+        return hit[1]
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    digest = f"{st.st_size}:{h.hexdigest()}"
+    cache[path] = (sig, digest)
+    return digest
+
+
+def _norm_fields(fields: Iterable[str]) -> list[tuple[str, str, bool]]:
+    """``(field, metric_base, already_a_norm)`` for the fields that get a norm series."""
+    names = list(fields)
+    out = []
+    for f in names:
+        if f.endswith(".norm"):  # mode="stats": the field *is* the per-record L2 norm
+            out.append((f, f[: -len(".norm")], True))
+        elif f.endswith(_STATS_SUFFIXES) and f.rsplit(".", 1)[0] + ".norm" in names:
+            continue  # other summaries of a stats-mode field
+        else:
+            out.append((f, f, False))
+    return out
+
+
+def _record_norms(values: Any) -> np.ndarray:
+    """L2 norm of each record of a stacked array or a list of (ragged) arrays."""
+    if isinstance(values, np.ndarray) and values.dtype != object:
+        if values.ndim == 0:
+            values = values.reshape(1)
+        if values.shape[0] == 0:
+            return np.zeros(0, dtype=np.float64)
+        flat = values.reshape(values.shape[0], int(np.prod(values.shape[1:], dtype=np.int64)))
+        if flat.dtype.kind == "c":
+            flat = np.abs(flat)
+        return np.sqrt(np.sum(np.square(flat, dtype=np.float64), axis=1))
+    return np.array([float(np.linalg.norm(np.abs(np.asarray(v, dtype=None)).astype(np.float64).ravel())) for v in values])
+
+
+def _read_norms(run_dir: Path, entry: dict, handle_id: str, fields: list[tuple[str, str, bool]],
+                start: int) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """Steps and per-field norms of the records ``start:`` of one handle file.
+
+    Uses the storage reader (``open_run(run_dir)[handle_id][field].norms()``) when it is present,
+    else plain h5py on the handle file.
+    """
+    try:
+        from .reader import open_run  # type: ignore[attr-defined]
+    except ImportError:
+        open_run = None
+    if open_run is not None:
+        run = open_run(run_dir)
+        try:
+            h = run[handle_id]
+            steps = np.asarray(h.steps)
+            norms = {}
+            for f, _base, is_norm in fields:
+                fld = h[f]
+                if is_norm:
+                    vals = np.abs(np.asarray(fld.read(), dtype=np.float64)).reshape(len(fld), -1)[:, 0]
+                elif hasattr(fld, "norms"):
+                    vals = np.asarray(fld.norms(), dtype=np.float64)
+                else:
+                    vals = _record_norms(fld.read())
+                norms[f] = vals[start:]
+            return steps[start:], norms
+        finally:
+            close = getattr(run, "close", None)
+            if close is not None:
+                close()
+    import h5py  # fallback: plain layout (step dataset + one dataset per field at the root)
+
+    with h5py.File(run_dir / entry["file"], "r") as f:
+        steps = np.asarray(f["step"][start:])
+        norms = {}
+        for name, _base, is_norm in fields:
+            data = np.asarray(f[name][start:])
+            norms[name] = (np.abs(data.astype(np.float64)).reshape(len(data), -1)[:, 0] if is_norm and len(data)
+                           else _record_norms(data))
+        return steps, norms
+
+
+# --------------------------------------------------------------------------------------------
+# report
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class SyncReport:
+    """What one or more sync passes did.
+
+    Attributes:
+        run_id: the MLflow run.
+        uploaded: artifact paths uploaded (``hookline/...``).
+        skipped: artifact paths already present with the same size and SHA-256.
+        metrics: number of metric points sent.
+        tags: number of tags sent.
+        errors: one line per failure (empty when everything succeeded).
+        seconds: wall time of the pass(es).
+    """
+
+    run_id: str
+    uploaded: list[str] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+    metrics: int = 0
+    tags: int = 0
+    errors: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        """True when nothing failed."""
+        return not self.errors
+
+    def merge(self, other: SyncReport) -> None:
+        """Add ``other``'s counts and errors to this report."""
+        self.uploaded += other.uploaded
+        self.skipped += other.skipped
+        self.metrics += other.metrics
+        self.tags += other.tags
+        self.errors += other.errors
+        self.seconds += other.seconds
+
+    def error(self, run_dir: Path | str | None = None) -> TrackingError:
+        """A :class:`TrackingError` describing the failures, with the command that repairs them."""
+        where = str(run_dir) if run_dir is not None else "RUN_DIR"
+        lines = "; ".join(self.errors[:5]) + (f"; ... ({len(self.errors)} errors)" if len(self.errors) > 5 else "")
+        err = TrackingError(
+            f"MLflow upload to run {self.run_id!r} failed: {lines}. Local files are complete; "
+            f"upload later with `hookline sync {where} --run-id {self.run_id}`"
+        )
+        err.report = self  # type: ignore[attr-defined]
+        return err
+
+
+# --------------------------------------------------------------------------------------------
+# adapter
+# --------------------------------------------------------------------------------------------
+
+_LIVE: "weakref.WeakSet[MlflowAdapter]" = weakref.WeakSet()
+_EXIT_HOOKED = False
+_EXIT_LOCK = threading.Lock()
+
+
+def _close_all_at_exit() -> None:
+    timeout = float(os.environ.get("HOOKLINE_MLFLOW_EXIT_TIMEOUT", "120"))
+    for adapter in list(_LIVE):
+        try:
+            report = adapter.close(timeout=timeout, raise_on_error=False)
+        except Exception as e:  # noqa: BLE001 - never raise at interpreter exit
+            log.error("hookline: closing the MLflow adapter at exit failed: %s", e)
+            continue
+        if not report.ok:
+            log.error("hookline: %s", report.error(adapter._last_dir))
+
+
+def _hook_exit() -> None:
+    global _EXIT_HOOKED
+    with _EXIT_LOCK:
+        if _EXIT_HOOKED:
+            return
+        _EXIT_HOOKED = True
+    # threading's exit hooks run (in reverse order) *before* concurrent.futures shuts its
+    # executors down, so the final uploads can still use a thread pool; fall back to atexit.
+    register = getattr(threading, "_register_atexit", None)
+    try:
+        if register is None:
+            raise RuntimeError
+        register(_close_all_at_exit)
+    except RuntimeError:
+        import atexit
+
+        atexit.register(_close_all_at_exit)
+
+
+class MlflowAdapter:
+    """Registers run directories with one MLflow run, in the background or synchronously.
+
+    The Recorder (or a user) creates one adapter per MLflow run and process. Construction is cheap
+    and makes no request (mlflow is imported on first use, on the background thread when
+    :meth:`submit` is used).
+
+    Example:
+        >>> adapter = MlflowAdapter(run.info.run_id)            # doctest: +SKIP
+        >>> adapter.submit("runs/baseline")   # at each flush: returns at once
+        >>> adapter.close()                   # at the end: final uploads, raises on failure
+
+    Args:
+        run_id: the MLflow run that receives the data (it must exist; hookline never creates
+            or ends runs).
+        tracking_uri: tracking server/store; default: MLflow's own resolution
+            (``MLFLOW_TRACKING_URI``, else ``sqlite:///mlflow.db`` in the working directory).
+        rank: distributed rank; when given, only this rank's manifest is synced and tag/metric
+            keys carry ``-rank<r>`` (artifact names carry the writer's ``.rank<r>``).
+        max_workers: parallel artifact uploads.
+        upload_on_submit: also upload the handle files on every :meth:`submit` (default: only
+            metrics and tags mid-run; files are uploaded by :meth:`close` / :meth:`log_run_dir`,
+            since re-uploading growing files at every flush costs bandwidth).
+
+    Raises:
+        InvalidArgumentError: for an empty/malformed run id or a negative rank.
+    """
+
+    def __init__(self, run_id: str, tracking_uri: str | None = None, rank: int | None = None, *,
+                 max_workers: int = 4, upload_on_submit: bool = False) -> None:
+        if not isinstance(run_id, str) or not re.fullmatch(r"[\w\-]+", run_id or ""):
+            raise InvalidArgumentError(
+                f"MLflow run id {run_id!r} is not valid: pass the 32-hex id of an existing run "
+                "(e.g. mlflow.start_run().info.run_id or `mlflow runs list`)"
+            )
+        if rank is not None and (not isinstance(rank, int) or rank < 0):
+            raise InvalidArgumentError(f"rank {rank!r} is not valid: pass a non-negative int or None")
+        if max_workers < 1:
+            raise InvalidArgumentError(f"max_workers {max_workers!r} must be >= 1")
+        self.run_id = run_id
+        self.tracking_uri = tracking_uri
+        self.rank = rank
+        self.max_workers = int(max_workers)
+        self.upload_on_submit = bool(upload_on_submit)
+        self._client_obj: Any = None
+        self._client_lock = threading.Lock()
+        self._pass_lock = threading.Lock()  # one pass at a time (background or synchronous)
+        self._cond = threading.Condition()
+        self._pending: dict[Path, bool] = {}  # run_dir -> upload files?
+        self._busy = False
+        self._thread: threading.Thread | None = None
+        self._seen: list[Path] = []
+        self._last_dir: Path | None = None
+        self._report = SyncReport(run_id)
+        self._closed = False
+        self._final: SyncReport | None = None
+        self._hashes: dict[Path, tuple] = {}
+        self._maxes: dict[tuple, tuple[int, float]] = {}  # (rank, handle, field) -> (records, max)
+        _LIVE.add(self)
+        _hook_exit()
+
+    # -- public API ---------------------------------------------------------------------------
+
+    @property
+    def client(self) -> Any:
+        """The :class:`mlflow.MlflowClient` (created on first use)."""
+        with self._client_lock:
+            if self._client_obj is None:
+                self._client_obj = _client(self.tracking_uri)
+            return self._client_obj
+
+    def log_run_dir(self, run_dir: str | os.PathLike, *, artifacts: bool = True) -> SyncReport:
+        """Synchronously sync a run directory to the run (files, tags, metrics, manifest).
+
+        Idempotent: unchanged files are not uploaded again, logged metric points not repeated.
+
+        Args:
+            run_dir: the hookline run directory.
+            artifacts: also upload the handle files and manifest(s).
+
+        Returns:
+            The :class:`SyncReport` of this pass.
+
+        Raises:
+            TrackingError: if anything failed (server down, upload error); the error's ``report``
+                attribute holds the :class:`SyncReport`. What succeeded stays done; call again
+                (or ``hookline sync``) to complete the run.
+            UnknownNameError: if the run or the run directory does not exist.
+            FormatError: if ``run_dir`` holds no readable manifest.
+        """
+        path = Path(run_dir)
+        self._remember(path)
+        with self._pass_lock:
+            report = self._pass(path, artifacts)
+        if not report.ok:
+            raise report.error(path)
+        return report
+
+    def submit(self, run_dir: str | os.PathLike, *, artifacts: bool | None = None) -> None:
+        """Schedule a background sync of ``run_dir`` and return at once (never blocks on MLflow).
+
+        Submissions coalesce: while a pass runs, further submits of the same directory result in
+        one more pass. Failures are collected and reported by :meth:`wait` / :meth:`close`.
+
+        Args:
+            run_dir: the hookline run directory.
+            artifacts: upload the handle files too (default: the ``upload_on_submit`` setting).
+        """
+        if self._closed:
+            from .errors import WriterClosedError
+
+            raise WriterClosedError(f"MLflow adapter for run {self.run_id!r} is closed: create a new one")
+        path = Path(run_dir)
+        self._remember(path)
+        up = self.upload_on_submit if artifacts is None else bool(artifacts)
+        with self._cond:
+            self._pending[path] = self._pending.get(path, False) or up
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._worker, name=f"hookline-mlflow-{self.run_id[:8]}",
+                                                daemon=True)
+                self._thread.start()
+            self._cond.notify_all()
+
+    def wait(self, timeout: float | None = None, *, raise_on_error: bool = True) -> SyncReport:
+        """Block until every submitted pass finished (or failed).
+
+        Args:
+            timeout: seconds to wait at most (None: no limit). On timeout the report carries an
+                error and the passes keep running in the background.
+            raise_on_error: raise instead of returning a failed report.
+
+        Returns:
+            The combined :class:`SyncReport` of the passes since the previous ``wait``.
+
+        Raises:
+            TrackingError: if a pass failed (or the wait timed out) and ``raise_on_error``.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while self._pending or self._busy:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    self._report.errors.append(f"timed out after {timeout:g} s waiting for MLflow uploads")
+                    break
+                self._cond.wait(left)
+            report, self._report = self._report, SyncReport(self.run_id)
+        if not report.ok and raise_on_error:
+            raise report.error(self._last_dir)
+        return report
+
+    def close(self, timeout: float | None = None, *, raise_on_error: bool = True) -> SyncReport:
+        """Final sync (files included) of every directory seen, then stop. Idempotent.
+
+        Returns after the uploads finished or failed. Call it at the end of training; it also
+        runs at interpreter exit (with ``$HOOKLINE_MLFLOW_EXIT_TIMEOUT`` s, default 120, and
+        errors logged instead of raised).
+
+        Args:
+            timeout: seconds to wait at most (None: no limit).
+            raise_on_error: raise instead of returning a failed report.
+
+        Returns:
+            The combined :class:`SyncReport` of all passes not yet reported by :meth:`wait`.
+
+        Raises:
+            TrackingError: if something failed and ``raise_on_error``; the local files are complete
+                and ``sync(run_dir, run_id)`` / ``hookline sync`` completes the run later.
+        """
+        if self._final is None:
+            if self._seen:
+                with self._cond:
+                    for d in self._seen:
+                        self._pending[d] = True
+                    if self._thread is None or not self._thread.is_alive():
+                        self._thread = threading.Thread(target=self._worker, name="hookline-mlflow", daemon=True)
+                        self._thread.start()
+                    self._cond.notify_all()
+            self._final = self.wait(timeout, raise_on_error=False)
+            self._closed = True
+            with self._cond:
+                self._cond.notify_all()
+            _LIVE.discard(self)
+        if not self._final.ok and raise_on_error:
+            raise self._final.error(self._last_dir)
+        return self._final
+
+    def __enter__(self) -> MlflowAdapter:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close(raise_on_error=exc[0] is None)
+
+    def __repr__(self) -> str:
+        return f"MlflowAdapter(run_id={self.run_id!r}, tracking_uri={self.tracking_uri!r}, rank={self.rank!r})"
+
+    # -- background worker --------------------------------------------------------------------
+
+    def _remember(self, path: Path) -> None:
+        if path not in self._seen:
+            self._seen.append(path)
+        self._last_dir = path
+
+    def _worker(self) -> None:
+        while True:
+            with self._cond:
+                while not self._pending:
+                    if self._closed:
+                        return
+                    self._cond.wait(1.0)
+                    if not self._pending and self._closed:
+                        return
+                run_dir, up = next(iter(self._pending.items()))
+                del self._pending[run_dir]
+                self._busy = True
+            try:
+                with self._pass_lock:
+                    rep = self._pass(run_dir, up)
+            except BaseException as e:  # noqa: BLE001 - reported, never raised into training
+                rep = SyncReport(self.run_id, errors=[f"{run_dir}: {_short(e)}"])
+            with self._cond:
+                self._report.merge(rep)
+                self._busy = False
+                self._cond.notify_all()
+
+    # -- one pass -----------------------------------------------------------------------------
+
+    def _pass(self, run_dir: Path, artifacts: bool) -> SyncReport:
+        t0 = time.perf_counter()
+        report = SyncReport(self.run_id)
+        try:
+            self._pass_inner(run_dir, artifacts, report)
+        except (UnknownNameError, FormatError):
+            raise
+        except Exception as e:  # noqa: BLE001 - collected into the report
+            report.errors.append(_short(e) if isinstance(e, TrackingError) else f"{run_dir}: {_short(e)}")
+        report.seconds = time.perf_counter() - t0
+        if report.errors:
+            log.warning("hookline: MLflow sync of %s to run %s: %s", run_dir, self.run_id, "; ".join(report.errors))
+        return report
+
+    def _pass_inner(self, run_dir: Path, artifacts: bool, report: SyncReport) -> None:
+        from mlflow.entities import Metric, RunTag
+
+        manifests = _load_manifests(run_dir, self.rank)
+        client = self.client
+        tags_now = dict(_get_run(client, self.run_id).data.tags)
+
+        # 1. start the handle-file uploads (they run while the norms are read and logged)
+        uploads: list[tuple[str, Path, str, str]] = []  # (artifact path, local, digest, synced tag)
+        plans = []
+        for mpath, man in manifests:
+            rank = man.get("rank") if man.get("rank") is not None else self.rank
+            for hid, entry in sorted(man.get("handles", {}).items()):
+                plans.append((man, rank, hid, entry))
+                rel = entry.get("file")
+                if not artifacts or not rel:
+                    continue
+                local = run_dir / rel
+                if not local.is_file():
+                    report.errors.append(f"handle {hid!r}: file {str(local)!r} is missing (run `hookline verify`)")
+                    continue
+                apath = f"{ARTIFACT_ROOT}/{Path(rel).as_posix()}"
+                digest = _file_digest(local, self._hashes)
+                skey = tag_key(hid, "synced", rank=rank)
+                if tags_now.get(skey) == digest:
+                    report.skipped.append(apath)
+                else:
+                    uploads.append((apath, local, digest, skey))
+        pool, futures = self._start_uploads(uploads)
+        try:
+            # 2. metrics: norm series for the records not logged yet, summaries
+            metrics: list[Any] = []
+            tags: dict[str, str] = {}
+            types: set[str] = set()
+            for man, rank, hid, entry in plans:
+                created = _created_ms(man)
+                fields = _norm_fields(entry.get("fields", {}) or {})
+                rkey = tag_key(hid, "records", rank=rank)
+                try:
+                    done = int(tags_now.get(rkey, "0"))
+                except ValueError:
+                    done = 0
+                if fields:
+                    steps_new, norms = _read_norms_safe(run_dir, entry, hid, fields, done, report)
+                    if steps_new is None:
+                        continue
+                    n_total = done + len(steps_new)
+                    if len(steps_new):
+                        last_step = int(steps_new[-1])
+                        ts = created + n_total
+                        for f, base, _ in fields:
+                            vals = np.asarray(norms[f], dtype=np.float64)
+                            key = metric_key(hid, base, "norm", rank=rank)
+                            metrics.extend(Metric(key, float(v), created + done + i, int(s))
+                                           for i, (s, v) in enumerate(zip(steps_new, vals)))
+                            # running max over all records: from memory when this adapter logged
+                            # the earlier records, else from the already-logged summary metric
+                            mem = self._maxes.get((rank, hid, f))
+                            prev = mem[1] if mem is not None and mem[0] == done else (
+                                _prev_max(client, self.run_id, metric_key(hid, base, "norm_max", rank=rank))
+                                if done else float("nan"))
+                            finite = vals[~np.isnan(vals)]
+                            cand = [x for x in (prev, float(finite.max()) if finite.size else float("nan"))
+                                    if not np.isnan(x)]
+                            vmax = max(cand) if cand else float("nan")
+                            self._maxes[(rank, hid, f)] = (n_total, vmax)
+                            metrics.append(Metric(metric_key(hid, base, "norm_max", rank=rank), vmax, ts, last_step))
+                            metrics.append(Metric(metric_key(hid, base, "norm_last", rank=rank), float(vals[-1]),
+                                                  ts, last_step))
+                else:
+                    n_total = int(entry.get("records", 0) or 0)
+                tags.update(self._handle_tags(hid, entry, rank, n_total))
+                t = _type_name(entry.get("module_type"))
+                if t:
+                    types.add(t)
+            if metrics:
+                try:
+                    client.log_batch(self.run_id, metrics=metrics, synchronous=True)
+                except Exception as e:  # noqa: BLE001
+                    raise TrackingError(f"logging {len(metrics)} metric points failed: {_short(e)}") from e
+                report.metrics += len(metrics)
+        finally:
+            results = self._finish_uploads(pool, futures)
+        for (apath, _local, digest, skey), err in zip(uploads, results):
+            if err is None:
+                report.uploaded.append(apath)
+                tags[skey] = digest
+            else:
+                report.errors.append(f"upload of {apath!r} failed: {err}")
+        for man, rank, hid, entry in plans:
+            skey = tag_key(hid, "synced", rank=rank)
+            if entry.get("file") and (skey in tags or skey in tags_now):
+                tags[tag_key(hid, "artifact", rank=rank)] = f"{ARTIFACT_ROOT}/{Path(entry['file']).as_posix()}"
+        # 3. run-level tags
+        tags["hookline.version"] = _version()
+        fmt = {str(m.get("format_version")) for _, m in manifests if m.get("format_version") is not None}
+        if fmt:
+            tags["hookline.format_version"] = ",".join(sorted(fmt))
+        count_key = "hookline.handles" if self.rank is None else f"hookline.handles-rank{self.rank}"
+        tags[count_key] = str(len(plans))
+        for t in sorted(types):
+            tags[f"hookline.has.{t}"] = "true"
+        changed = {k: v for k, v in tags.items() if tags_now.get(k) != v}
+        if changed:
+            try:
+                client.log_batch(self.run_id, tags=[RunTag(k, v) for k, v in changed.items()], synchronous=True)
+            except Exception as e:  # noqa: BLE001
+                raise TrackingError(f"logging {len(changed)} tags failed: {_short(e)}") from e
+            report.tags += len(changed)
+        # 4. manifests last (after the files they describe)
+        if artifacts and not report.errors:
+            mtags = {}
+            for mpath, _man in manifests:
+                digest = _file_digest(mpath, self._hashes)
+                mkey = f"hookline.synced.{_esc(mpath.name)}"
+                apath = f"{ARTIFACT_ROOT}/{mpath.name}"
+                if tags_now.get(mkey) == digest:
+                    report.skipped.append(apath)
+                    continue
+                try:
+                    client.log_artifact(self.run_id, str(mpath), ARTIFACT_ROOT)
+                except Exception as e:  # noqa: BLE001
+                    report.errors.append(f"upload of {apath!r} failed: {_short(e)}")
+                    continue
+                report.uploaded.append(apath)
+                mtags[mkey] = digest
+            if mtags:
+                try:
+                    client.log_batch(self.run_id, tags=[RunTag(k, v) for k, v in mtags.items()], synchronous=True)
+                except Exception as e:  # noqa: BLE001
+                    raise TrackingError(f"logging {len(mtags)} tags failed: {_short(e)}") from e
+                report.tags += len(mtags)
+
+    def _handle_tags(self, hid: str, entry: dict, rank: int | None, records: int) -> dict[str, str]:
+        fields = entry.get("fields", {}) or {}
+        vals = {
+            "id": hid,
+            "module": entry.get("module_name"),
+            "module_type": entry.get("module_type"),
+            "category": entry.get("category"),
+            "fields": json.dumps(sorted(fields)),
+            "shape": json.dumps({f: (v or {}).get("shape") for f, v in sorted(fields.items())}),
+            "dtype": json.dumps({f: (v or {}).get("dtype") for f, v in sorted(fields.items())}),
+            "records": str(records),
+        }
+        return {tag_key(hid, k, rank=rank): _cut(str(v)) for k, v in vals.items() if v is not None}
+
+    def _start_uploads(self, uploads: list) -> tuple[Any, list]:
+        if not uploads:
+            return None, []
+        client = self.client
+        run_id = self.run_id
+
+        def one(apath: str, local: Path) -> None:
+            client.log_artifact(run_id, str(local), apath.rsplit("/", 1)[0])
+
+        try:
+            pool = ThreadPoolExecutor(max_workers=min(self.max_workers, len(uploads)),
+                                      thread_name_prefix="hookline-upload")
+            return pool, [pool.submit(one, a, p) for a, p, _d, _k in uploads]
+        except RuntimeError:  # interpreter shutting down: no new threads; upload sequentially
+            out = []
+            for a, p, _d, _k in uploads:
+                try:
+                    one(a, p)
+                    out.append(None)
+                except Exception as e:  # noqa: BLE001
+                    out.append(e)
+            return None, out
+
+    @staticmethod
+    def _finish_uploads(pool: Any, futures: list) -> list[str | None]:
+        errs: list[str | None] = []
+        for fut in futures:
+            if pool is None:  # sequential fallback: futures are results already
+                errs.append(None if fut is None else _short(fut))
+                continue
+            try:
+                fut.result()
+                errs.append(None)
+            except Exception as e:  # noqa: BLE001
+                errs.append(_short(e))
+        if pool is not None:
+            pool.shutdown(wait=True)
+        return errs
+
+
+def _prev_max(client: Any, run_id: str, key: str) -> float:
+    """The latest logged value of a ``norm_max`` metric (NaN when there is none)."""
+    try:
+        hist = client.get_metric_history(run_id, key)
+    except Exception as e:  # noqa: BLE001
+        raise TrackingError(f"reading metric {key!r} of run {run_id!r} failed: {_short(e)}") from e
+    if not hist:
+        return float("nan")
+    return float(max(hist, key=lambda m: (m.step, m.timestamp)).value)
+
+
+def _read_norms_safe(run_dir: Path, entry: dict, hid: str, fields: list, start: int,
+                     report: SyncReport) -> tuple[Any, Any]:
+    try:
+        return _read_norms(run_dir, entry, hid, fields, start)
+    except Exception as e:  # noqa: BLE001 - a broken file must not stop the other handles
+        report.errors.append(f"handle {hid!r}: reading norms failed: {_short(e)} (run `hookline verify`)")
+        return None, None
+
+
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("hookline")
+    except Exception:  # noqa: BLE001
+        return "unknown"
+
+
+def sync(run_dir: str | os.PathLike, run_id: str, *, tracking_uri: str | None = None,
+         rank: int | None = None) -> SyncReport:
+    """Upload a run directory to an existing MLflow run; safe to repeat (nothing twice).
+
+    This is what ``hookline sync RUN_DIR --run-id ID`` calls, e.g. after the server was down
+    during training.
+
+    Args:
+        run_dir: the hookline run directory.
+        run_id: the MLflow run id.
+        tracking_uri: tracking server/store (default: MLflow's resolution).
+        rank: sync only this rank's manifest (default: every manifest in the directory).
+
+    Returns:
+        The :class:`SyncReport` (what was uploaded, skipped, logged).
+
+    Raises:
+        TrackingError: if something failed (call again to retry).
+        UnknownNameError: if the run or directory does not exist.
+        FormatError: if the directory holds no readable manifest.
+    """
+    adapter = MlflowAdapter(run_id, tracking_uri=tracking_uri, rank=rank)
+    try:
+        _get_run(adapter.client, run_id)  # clear error for an unknown id before anything else
+        return adapter.log_run_dir(run_dir)
+    finally:
+        adapter._closed = True
+        adapter._final = adapter._report
+        _LIVE.discard(adapter)
+
+
+# --------------------------------------------------------------------------------------------
+# reading back: the reader's source protocol
+# --------------------------------------------------------------------------------------------
+
+
+def parse_run_uri(uri: str, tracking_uri: str | None = None) -> tuple[str, str, str | None]:
+    """Split an MLflow run reference into ``(run_id, artifact_root, tracking_uri)``.
+
+    Accepts ``runs:/<run_id>[/<path>]``, ``mlflow-artifacts:[//host:port]/.../<run_id>/artifacts[/<path>]``
+    and a bare 32-hex run id. ``artifact_root`` defaults to ``hookline``.
+
+    Raises:
+        InvalidArgumentError: for anything else (the message shows the accepted forms).
+    """
+    text = str(uri).strip()
+    m = re.fullmatch(r"runs:/+([0-9A-Za-z_\-]+)(?:/(.*))?", text)
+    if m:
+        return m[1], (m[2] or "").strip("/") or ARTIFACT_ROOT, tracking_uri
+    m = re.fullmatch(r"mlflow-artifacts:(?://([^/]+))?/(?:.*/)?([0-9a-f]{32})/artifacts(?:/(.*))?", text)
+    if m:
+        tu = tracking_uri or (f"http://{m[1]}" if m[1] else None)
+        return m[2], (m[3] or "").strip("/") or ARTIFACT_ROOT, tu
+    if _RUN_ID.fullmatch(text):
+        return text, ARTIFACT_ROOT, tracking_uri
+    raise InvalidArgumentError(
+        f"not an MLflow run reference: {uri!r}; use 'runs:/<run_id>', "
+        "'mlflow-artifacts:/<experiment_id>/<run_id>/artifacts/hookline' or a 32-hex run id "
+        "(with tracking_uri=... / --tracking-uri)"
+    )
+
+
+def _cache_base(cache_dir: str | os.PathLike | None) -> Path:
+    if cache_dir is not None:
+        return Path(cache_dir).expanduser()
+    env = os.environ.get("HOOKLINE_CACHE_DIR")
+    if env:
+        return Path(env).expanduser()
+    return Path.home() / ".cache" / "hookline"
+
+
+class MlflowSource:
+    """A hookline run stored as MLflow artifacts, downloaded one file at a time into a cache.
+
+    Implements the reader's source protocol: :meth:`manifests` and :meth:`path`. Create it with
+    :func:`mlflow_source`.
+
+    Attributes:
+        run_id: the MLflow run id.
+        root: artifact folder of the run directory (``hookline``).
+        cache_dir: where files land: ``<cache base>/<run_id>/<root>/...``.
+        client: the :class:`mlflow.MlflowClient`.
+    """
+
+    def __init__(self, run_id: str, root: str, client: Any, cache_dir: Path) -> None:
+        self.run_id = run_id
+        self.root = root
+        self.client = client
+        self.cache_dir = cache_dir
+        self._sizes: dict[str, dict[str, int | None]] = {}
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"MlflowSource(run_id={self.run_id!r}, root={self.root!r}, cache_dir={str(self.cache_dir)!r})"
+
+    @property
+    def uri(self) -> str:
+        """``runs:/<run_id>/<root>``."""
+        return f"runs:/{self.run_id}/{self.root}"
+
+    def _listing(self, folder: str) -> dict[str, int | None]:
+        if folder not in self._sizes:
+            try:
+                items = self.client.list_artifacts(self.run_id, folder)
+            except Exception as e:  # noqa: BLE001
+                raise TrackingError(f"listing artifacts {folder!r} of MLflow run {self.run_id!r} failed: {_short(e)}") from e
+            self._sizes[folder] = {i.path.rsplit("/", 1)[-1]: i.file_size for i in items if not i.is_dir}
+        return self._sizes[folder]
+
+    def _download(self, apath: str) -> Path:
+        final = self.cache_dir / apath
+        tmp = self.cache_dir / ".partial" / uuid.uuid4().hex
+        tmp.mkdir(parents=True, exist_ok=True)
+        try:
+            got = Path(self.client.download_artifacts(self.run_id, apath, dst_path=str(tmp)))
+            final.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(got, final)
+        except Exception as e:  # noqa: BLE001
+            raise TrackingError(
+                f"downloading {apath!r} of MLflow run {self.run_id!r} failed: {_short(e)}; "
+                f"check that the run was synced (`hookline sync RUN_DIR --run-id {self.run_id}`)"
+            ) from e
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        return final
+
+    def manifests(self) -> list[dict]:
+        """Download (fresh, every call) and parse the run's ``manifest*.json`` artifacts.
+
+        Raises:
+            FormatError: if the run has no hookline manifest (it was never synced).
+        """
+        names = sorted(n for n in self._listing(self.root) if _MANIFEST.match(n))
+        if not names:
+            raise FormatError(
+                f"MLflow run {self.run_id!r} has no {self.root}/manifest.json artifact: it holds no hookline "
+                f"data (sync a run directory with `hookline sync RUN_DIR --run-id {self.run_id}`)"
+            )
+        out = []
+        with self._lock:
+            for n in names:
+                p = self._download(f"{self.root}/{n}")
+                try:
+                    out.append(json.loads(p.read_text(encoding="utf-8")))
+                except ValueError as e:
+                    raise FormatError(f"artifact {self.root}/{n} of run {self.run_id!r} is not valid JSON: {e}") from e
+        return out
+
+    def path(self, rel: str) -> Path:
+        """Local path of a file of the run directory, downloaded on first use.
+
+        Args:
+            rel: path relative to the run directory, as in the manifest (``outputs/blocks.0.h5``).
+
+        Returns:
+            The cached file (re-downloaded when its size differs from the artifact's).
+        """
+        rel = Path(rel).as_posix()
+        if rel.startswith("/") or ".." in rel.split("/"):
+            raise InvalidArgumentError(f"artifact path {rel!r} must be relative to the run directory, without '..'")
+        apath = f"{self.root}/{rel}"
+        folder, name = apath.rsplit("/", 1)
+        with self._lock:
+            local = self.cache_dir / apath
+            listing = self._listing(folder)
+            if name not in listing:
+                raise UnknownNameError(
+                    f"MLflow run {self.run_id!r} has no artifact {apath!r}: the run was not fully synced "
+                    f"(run `hookline sync RUN_DIR --run-id {self.run_id}`)"
+                )
+            if local.is_file() and (listing[name] is None or local.stat().st_size == listing[name]):
+                return local
+            return self._download(apath)
+
+
+def mlflow_source(uri: str, *, tracking_uri: str | None = None,
+                  cache_dir: str | os.PathLike | None = None) -> MlflowSource:
+    """Open an MLflow run's hookline data for reading (used by ``open_run("runs:/<id>")``).
+
+    Nothing but the manifests is downloaded until a handle file is asked for with
+    :meth:`MlflowSource.path`.
+
+    Args:
+        uri: ``runs:/<run_id>[/hookline]``, ``mlflow-artifacts:/.../<run_id>/artifacts/hookline``
+            or a bare 32-hex run id.
+        tracking_uri: tracking server/store (default: from an ``mlflow-artifacts://host`` URI,
+            else MLflow's resolution).
+        cache_dir: cache base; files land in ``<cache_dir>/<run_id>/``. Default
+            ``$HOOKLINE_CACHE_DIR``, else ``~/.cache/hookline``.
+
+    Raises:
+        InvalidArgumentError: for a malformed URI.
+        UnknownNameError: if the run does not exist at the tracking URI.
+        TrackingError: if MLflow cannot be reached.
+    """
+    run_id, root, tu = parse_run_uri(uri, tracking_uri)
+    client = _client(tu)
+    _get_run(client, run_id)
+    return MlflowSource(run_id, root, client, _cache_base(cache_dir) / run_id)
