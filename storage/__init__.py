@@ -38,6 +38,11 @@ _LAZY = {
     "FORMAT_VERSION": "format",
     "MlflowAdapter": "mlflow_adapter",
     "sync": "mlflow_adapter",
+    "compare_runs": "compare",
+    "iter_compare": "compare",
+    "CompareResult": "compare",
+    "FieldComparison": "compare",
+    "METRICS": "compare",
 }
 
 __all__ = [

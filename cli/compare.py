@@ -1,0 +1,132 @@
+"""``hookline compare RUN_A RUN_B``: per handle, field and common step: cosine, rel_l2, norm_ratio."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import click
+
+from .options import (
+    CONTEXT_SETTINGS,
+    clean_json,
+    console,
+    echo_json,
+    fmt_num,
+    json_option,
+    open_run_arg,
+    progress_bar,
+    quiet_option,
+    tracking_uri_option,
+)
+
+METRIC_CHOICES = ("cosine", "rel_l2", "norm_ratio")
+
+_STATUS_TEXT = {
+    "ok": "[green]ok[/]",
+    "missing_in_a": "[yellow]missing in A[/]",
+    "missing_in_b": "[yellow]missing in B[/]",
+    "shape_mismatch": "[red]shape mismatch[/]",
+    "no_common_steps": "[yellow]no common steps[/]",
+}
+
+
+def metric_cell(r: Any, metric: str) -> str:
+    """Table cell of one metric: mean, and the worst value over steps in parentheses."""
+    s = r.summary(metric)
+    if s["mean"] is None:
+        return "-"
+    if metric == "cosine":
+        return f"{fmt_num(s['mean'])} (min {fmt_num(s['min'])})"
+    if metric == "rel_l2":
+        return f"{fmt_num(s['mean'])} (max {fmt_num(s['max'])})"
+    return f"{fmt_num(s['mean'])} ({fmt_num(s['min'], 3)}–{fmt_num(s['max'], 3)})"
+
+
+def render_table(results: Sequence[Any], metrics: Sequence[str], *, title: str | None = None) -> None:
+    from rich.table import Table
+
+    table = Table(title=title, title_justify="left", expand=False, pad_edge=False)
+    table.add_column("handle", overflow="fold", ratio=3)
+    table.add_column("field", overflow="fold", ratio=2)
+    table.add_column("steps", justify="right", no_wrap=True)
+    headers = {"cosine": "cosine mean (min)", "rel_l2": "rel_l2 mean (max)", "norm_ratio": "norm_ratio mean (range)"}
+    for m in metrics:
+        table.add_column(headers[m], justify="right", overflow="fold")
+    table.add_column("status", overflow="fold")
+    for r in results:
+        cells = [r.handle, r.field or "-", str(len(r.steps)) if r.status != "missing_in_a" and r.status != "missing_in_b" else "-"]
+        cells += [metric_cell(r, m) for m in metrics]
+        status = _STATUS_TEXT.get(r.status, r.status)
+        if r.status == "ok" and r.mismatched:
+            status = f"[yellow]ok, {r.mismatched} skipped[/]"
+        cells.append(status)
+        table.add_row(*cells)
+    console().print(table)
+
+
+def render_problems(results: Sequence[Any]) -> None:
+    notes = [r for r in results if r.message]
+    if not notes:
+        return
+    c = console()
+    for r in notes:
+        where = r.handle + (f" {r.field}" if r.field else "")
+        c.print(f"[yellow]note:[/] {where}: {r.message}", soft_wrap=True, markup=True, highlight=False)
+
+
+@click.command(context_settings=CONTEXT_SETTINGS, short_help='Compare two runs: cosine, rel_l2, norm_ratio per handle/field/step.')
+@click.argument("run_a", metavar="RUN_A")
+@click.argument("run_b", metavar="RUN_B")
+@click.option("--handle", "handles", multiple=True, metavar="GLOB",
+              help="Compare only handles matching GLOB (* any characters, ? one; brackets are "
+                   "literal, e.g. 'grads[*]'). Repeatable.")
+@click.option("--field", "fields", multiple=True, metavar="NAME",
+              help="Compare only this field (glob allowed, e.g. 'grad_out.*'). Repeatable.")
+@click.option("--metric", "metrics", multiple=True, type=click.Choice(METRIC_CHOICES),
+              help="Metric(s) to show and plot (default: all three). Repeatable.")
+@click.option("--plot", "plot", type=click.Path(dir_okay=False, writable=True), metavar="PNG",
+              help="Write a plot: one panel per handle, metric over steps.")
+@json_option
+@quiet_option
+@tracking_uri_option
+def compare(run_a: str, run_b: str, handles: tuple[str, ...], fields: tuple[str, ...],
+            metrics: tuple[str, ...], plot: str | None, as_json: bool, quiet: bool,
+            tracking_uri: str | None) -> None:
+    """Compare two runs per handle, field and common step.
+
+    For every (step, call) recorded in both runs, with a = RUN_A's record and b = RUN_B's:
+    cosine = a.b/(|a||b|), rel_l2 = |a-b|/|a|, norm_ratio = |b|/|a|. The table shows the mean
+    over steps and the worst step; --json and --plot give every step. Handles or fields present
+    in only one run, differing shapes and runs without common steps are reported, not fatal.
+    RUN is a run directory, runs:/<id>, or an MLflow run id.
+
+    \b
+    Example:
+      hookline compare runs/lr0.01 runs/lr0.1
+      hookline compare runs/a runs/b --handle 'grads[*]' --field grad_out.0 --plot cmp.png
+      hookline compare runs:/0a1b... runs:/9f8e... --metric cosine --json
+    """
+    from hookline.storage.compare import count_pairs, iter_compare, CompareResult
+
+    ms = tuple(dict.fromkeys(metrics)) or METRIC_CHOICES
+    ra = open_run_arg(run_a, tracking_uri)
+    rb = open_run_arg(run_b, tracking_uri)
+    hsel = list(handles) or None
+    fsel = list(fields) or None
+    total = count_pairs(ra, rb, handles=hsel, fields=fsel)
+    with progress_bar("comparing", total, quiet=quiet or as_json) as advance:
+        results = list(iter_compare(ra, rb, handles=hsel, fields=fsel, metrics=ms, progress=advance))
+    res = CompareResult(run_a, run_b, ms, results)
+    if plot:
+        from .plot import plot_comparison
+
+        plot_comparison(results, plot, metrics=ms, label_a=run_a, label_b=run_b)
+    if as_json:
+        d = res.to_dict()
+        d["plot"] = plot
+        echo_json(clean_json(d))
+        return
+    render_table(results, ms, title=f"A = {run_a}\nB = {run_b}")
+    render_problems(results)
+    if plot:
+        click.echo(f"plot written to {plot}")

@@ -1,0 +1,72 @@
+"""Turning library errors into one-line CLI errors.
+
+Every :class:`~hookline.storage.HooklineError` (and the ``OSError`` family that h5py and the file
+system raise) becomes a :class:`click.ClickException`: click prints ``Error: <message>`` on stderr
+and exits with code 1 — no traceback. Set ``HOOKLINE_DEBUG=1`` to get the traceback back.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any, Callable, TypeVar
+
+import click
+
+from hookline.storage.errors import HooklineError
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+__all__ = ["HooklineGroup", "one_line", "translate", "translate_errors"]
+
+
+def one_line(text: str) -> str:
+    """Collapse a (possibly multi-line) message into one line."""
+    return " ".join(str(text).split())
+
+
+def translate(exc: BaseException) -> click.ClickException | None:
+    """The ClickException for a library error, or ``None`` when ``exc`` is not one."""
+    if isinstance(exc, click.ClickException):
+        return None
+    if isinstance(exc, HooklineError):
+        return click.ClickException(one_line(str(exc)) or type(exc).__name__)
+    if isinstance(exc, OSError):
+        # FileNotFoundError etc. from the file system, h5py's "Unable to open file ..." errors.
+        parts = [exc.strerror or "", repr(exc.filename) if exc.filename else ""]
+        msg = ": ".join(p for p in parts if p) if exc.strerror else str(exc)
+        return click.ClickException(one_line(msg) or type(exc).__name__)
+    return None
+
+
+def _debug() -> bool:
+    return os.environ.get("HOOKLINE_DEBUG", "") not in ("", "0")
+
+
+def translate_errors(fn: F) -> F:
+    """Decorator: run ``fn`` and turn library errors into one-line click errors."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except Exception as e:
+            ce = None if _debug() else translate(e)
+            if ce is None:
+                raise
+            raise ce from e
+
+    return wrapper  # type: ignore[return-value]
+
+
+class HooklineGroup(click.Group):
+    """The ``hookline`` group: library errors in any subcommand become one-line messages."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except Exception as e:
+            ce = None if _debug() else translate(e)
+            if ce is None:
+                raise
+            raise ce from e

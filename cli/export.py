@@ -1,0 +1,168 @@
+"""``hookline export RUN HANDLE FIELD``: one field's records to .npy, .csv or .h5."""
+
+from __future__ import annotations
+
+import csv
+import os
+from pathlib import Path
+from typing import Any
+
+import click
+import numpy as np
+
+from .options import (
+    CONTEXT_SETTINGS,
+    open_run_arg,
+    parse_steps,
+    progress_bar,
+    quiet_option,
+    tracking_uri_option,
+)
+
+
+def _index(handle: Any, fld: Any) -> tuple[np.ndarray, np.ndarray]:
+    steps = getattr(fld, "steps", None)
+    calls = getattr(fld, "calls", None)
+    if steps is None:
+        steps, calls = handle.steps, handle.calls
+    if calls is None:
+        calls = np.zeros(len(steps), np.int64)
+    return np.asarray(steps, np.int64), np.asarray(calls, np.int64)
+
+
+@click.command(context_settings=CONTEXT_SETTINGS, short_help='Export one field of a handle to .npy, .csv or .h5.')
+@click.argument("run", metavar="RUN")
+@click.argument("handle", metavar="HANDLE")
+@click.argument("field", metavar="FIELD")
+@click.option("--format", "fmt", type=click.Choice(["npy", "csv", "h5"]), required=True,
+              help="npy: one array (records, *shape); csv: one row per record (step, call, "
+                   "flattened values); h5: datasets step, call, data (ragged: one dataset per record).")
+@click.option("--out", "out", type=click.Path(dir_okay=False), required=True, metavar="PATH",
+              help="Output file.")
+@click.option("--steps", "steps_spec", metavar="SPEC", default=None,
+              help="Only these steps: '0,10,20', ranges 'start:stop[:stride]' (stop exclusive, "
+                   "e.g. '0:100', ':50', '100:'), or a mix. Default: all records.")
+@click.option("--force", is_flag=True, help="Overwrite PATH if it exists.")
+@quiet_option
+@tracking_uri_option
+def export(run: str, handle: str, field: str, fmt: str, out: str, steps_spec: str | None,
+           force: bool, quiet: bool, tracking_uri: str | None) -> None:
+    """Export one field of one handle to a .npy, .csv or .h5 file, record by record.
+
+    Records are written in their stored order (by step, then call); every record of a selected
+    step is exported. npy and csv need a fixed per-record shape; a ragged field exports to h5.
+    A .npy export also writes PATH.steps.csv listing each row's step and call.
+
+    \b
+    Example:
+      hookline export runs/baseline 'grads[fc1]' grad_out.0 --format npy --out g.npy
+      hookline export runs/baseline 'outputs[fc2]' outputs.0 --format csv --out o.csv --steps 0:100
+      hookline export runs:/0a1b... 'grads[fc1]' grad_out.0 --format h5 --out g.h5 --steps 0,10,20
+    """
+    mask_fn = parse_steps(steps_spec)
+    outp = Path(out)
+    if outp.exists() and not force:
+        raise click.ClickException(f"output {out!r} exists; pass --force to overwrite it")
+    r = open_run_arg(run, tracking_uri)
+    h = r[handle]
+    f = h[field]
+    steps, calls = _index(h, f)
+    idx = np.arange(len(steps))
+    if mask_fn is not None:
+        idx = idx[mask_fn(steps)]
+        if idx.size == 0:
+            have = f"{steps.min()}..{steps.max()}" if steps.size else "none"
+            raise click.ClickException(
+                f"--steps {steps_spec!r} selects no record of {handle} {field} (its steps: {have})"
+            )
+    shape = getattr(f, "shape", None)
+    shape = tuple(int(x) for x in shape) if shape is not None else None
+    if shape is None and fmt in ("npy", "csv"):
+        raise click.ClickException(
+            f"field {field!r} of {handle!r} is ragged (its shape varies across records); "
+            f"export it with --format h5"
+        )
+    if idx.size == 0:
+        raise click.ClickException(f"{handle} {field} has no records to export")
+    outp.parent.mkdir(parents=True, exist_ok=True)
+    tmp = outp.with_name(outp.name + ".partial")
+    from hookline.storage.compare import iter_records
+
+    with progress_bar(f"exporting {field}", int(idx.size), quiet=quiet) as advance:
+        try:
+            if fmt == "npy":
+                _npy(f, idx, shape, tmp, advance)
+            elif fmt == "csv":
+                _csv(f, idx, steps, calls, shape, tmp, advance)
+            else:
+                _h5(r, run, handle, field, f, idx, steps, calls, shape, tmp, advance)
+            os.replace(tmp, outp)
+        finally:
+            if tmp.exists():
+                tmp.unlink()
+    if fmt == "npy":
+        side = outp.with_name(outp.name + ".steps.csv")
+        with open(side, "w", newline="") as fh:
+            w = csv.writer(fh)
+            w.writerow(["row", "step", "call"])
+            for k, i in enumerate(idx):
+                w.writerow([k, int(steps[i]), int(calls[i])])
+    click.echo(f"exported {idx.size} records of {handle} {field} to {out}")
+
+
+def _npy(f, idx, shape, tmp: Path, advance) -> None:
+    from hookline.storage.compare import iter_records
+
+    dtype = np.dtype(f.dtype)
+    arr = np.lib.format.open_memmap(tmp, mode="w+", dtype=dtype, shape=(int(idx.size), *shape))
+    for pos, rec in iter_records(f, idx):
+        arr[pos] = rec
+        advance(1)
+    arr.flush()
+    del arr
+
+
+def _csv(f, idx, steps, calls, shape, tmp: Path, advance) -> None:
+    from hookline.storage.compare import iter_records
+
+    n = int(np.prod(shape)) if shape else 1
+    if shape:
+        cols = ["_".join(map(str, ix)) for ix in np.ndindex(*shape)]
+    else:
+        cols = ["value"]
+    with open(tmp, "w", newline="") as fh:
+        w = csv.writer(fh)
+        w.writerow(["step", "call", *cols])
+        for pos, rec in iter_records(f, idx):
+            i = idx[pos]
+            vals = np.asarray(rec).reshape(n)
+            w.writerow([int(steps[i]), int(calls[i]), *vals.tolist()])
+            advance(1)
+
+
+def _h5(r, run, handle, field, f, idx, steps, calls, shape, tmp: Path, advance) -> None:
+    import h5py
+
+    from hookline.storage.compare import iter_records
+
+    dtype = np.dtype(f.dtype)
+    with h5py.File(tmp, "w") as out:
+        out.attrs["source_run"] = str(run)
+        out.attrs["handle"] = handle
+        out.attrs["field"] = field
+        out.attrs["dtype"] = str(getattr(f.dtype, "name", f.dtype))
+        out.create_dataset("step", data=steps[idx])
+        out.create_dataset("call", data=calls[idx])
+        if shape is not None:
+            ds = out.create_dataset("data", shape=(int(idx.size), *shape), dtype=dtype,
+                                    chunks=(1, *shape) if shape else None)
+            for pos, rec in iter_records(f, idx):
+                ds[pos] = rec
+                advance(1)
+        else:
+            g = out.create_group("data")
+            g.attrs["ragged"] = True
+            width = max(6, len(str(idx.size)))
+            for pos, rec in iter_records(f, idx):
+                g.create_dataset(f"{pos:0{width}d}", data=np.asarray(rec))
+                advance(1)

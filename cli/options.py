@@ -1,0 +1,248 @@
+"""Shared option bundles, run resolution, consoles and progress bars for the ``hookline`` CLI."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import click
+
+CONTEXT_SETTINGS = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
+
+_RUN_ID = re.compile(r"^[0-9a-f]{32}$")
+
+
+# --------------------------------------------------------------------------------------------
+# option bundles
+# --------------------------------------------------------------------------------------------
+def json_option(fn: Callable) -> Callable:
+    return click.option(
+        "--json", "as_json", is_flag=True, help="Print machine-readable JSON (schema: docs/cli.md)."
+    )(fn)
+
+
+def quiet_option(fn: Callable) -> Callable:
+    return click.option("-q", "--quiet", is_flag=True, help="No progress bars.")(fn)
+
+
+def tracking_uri_option(fn: Callable) -> Callable:
+    return click.option(
+        "--tracking-uri",
+        metavar="URI",
+        default=None,
+        help="MLflow tracking URI (default: MLflow's own resolution: $MLFLOW_TRACKING_URI, "
+        "else sqlite mlflow.db in the working directory).",
+    )(fn)
+
+
+def run_options(fn: Callable) -> Callable:
+    """``--tracking-uri`` for commands that take RUN arguments."""
+    return tracking_uri_option(fn)
+
+
+# --------------------------------------------------------------------------------------------
+# runs
+# --------------------------------------------------------------------------------------------
+def run_source(run: str) -> str:
+    """Normalise a RUN argument: a directory, ``runs:/ID``/``mlflow-artifacts:`` URI, or a bare
+    MLflow run id (turned into ``runs:/ID``)."""
+    if os.path.exists(run):
+        return run
+    if run.startswith(("runs:/", "mlflow-artifacts:", "models:/")):
+        return run
+    if _RUN_ID.fullmatch(run):
+        return f"runs:/{run}"
+    raise click.ClickException(
+        f"run {run!r} not found: not a run directory, a runs:/<id> URI or an MLflow run id"
+    )
+
+
+def open_run_arg(run: str, tracking_uri: str | None = None) -> Any:
+    """Open a RUN argument with the storage reader."""
+    from hookline.storage import open_run
+
+    src = run_source(run)
+    if os.path.exists(src) and not os.path.isdir(src):
+        raise click.ClickException(f"run {run!r} is a file, not a run directory (give the directory that holds manifest.json)")
+    kwargs: dict[str, Any] = {}
+    if tracking_uri is not None:
+        kwargs["tracking_uri"] = tracking_uri
+    return open_run(src, **kwargs)
+
+
+def run_label(run: Any, given: str) -> str:
+    return given
+
+
+# --------------------------------------------------------------------------------------------
+# output
+# --------------------------------------------------------------------------------------------
+def interactive() -> bool:
+    try:
+        return sys.stdout.isatty() and sys.stderr.isatty()
+    except (AttributeError, ValueError):
+        return False
+
+
+def console(stderr: bool = False):
+    """A rich console on stdout (tables) or stderr (progress, notes)."""
+    from rich.console import Console
+
+    width = None
+    if not interactive():
+        # Not a terminal: honour $COLUMNS, else a generous width so nothing is cut in logs.
+        width = int(os.environ.get("COLUMNS", 0) or 0) or 120
+    return Console(stderr=stderr, width=width, highlight=False, soft_wrap=False)
+
+
+def echo_json(obj: Any) -> None:
+    click.echo(json.dumps(obj, indent=2, sort_keys=False, default=_json_default, allow_nan=False))
+
+
+def _json_default(o: Any) -> Any:
+    import numpy as np
+
+    if isinstance(o, np.integer):
+        return int(o)
+    if isinstance(o, np.floating):
+        f = float(o)
+        return f if math.isfinite(f) else None
+    if isinstance(o, np.ndarray):
+        return o.tolist()
+    if isinstance(o, Path):
+        return str(o)
+    return str(o)
+
+
+def clean_json(obj: Any) -> Any:
+    """Replace NaN/inf floats by None recursively (JSON has no NaN)."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: clean_json(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [clean_json(v) for v in obj]
+    return obj
+
+
+def human_bytes(n: int | float | None) -> str:
+    if n is None:
+        return "?"
+    n = float(n)
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1024 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TB"  # pragma: no cover
+
+
+def fmt_num(x: Any, digits: int = 4) -> str:
+    if x is None:
+        return "-"
+    try:
+        f = float(x)
+    except (TypeError, ValueError):
+        return str(x)
+    if math.isnan(f):
+        return "nan"
+    if math.isinf(f):
+        return "inf" if f > 0 else "-inf"
+    return f"{f:.{digits}g}"
+
+
+def fmt_steps(steps: Any) -> str:
+    """``0..90 (10)`` style summary of a step array."""
+    import numpy as np
+
+    s = np.unique(np.asarray(steps))
+    if s.size == 0:
+        return "-"
+    if s.size == 1:
+        return str(int(s[0]))
+    return f"{int(s[0])}..{int(s[-1])} ({s.size})"
+
+
+@contextmanager
+def progress_bar(description: str, total: int | None, *, quiet: bool = False) -> Iterator[Callable[[int], None]]:
+    """A rich progress bar on stderr, shown only on a terminal and without ``--quiet``.
+
+    Yields ``advance(n)``.
+    """
+    if quiet or not interactive():
+        yield lambda n=1: None
+        return
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    with Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console(stderr=True),
+        transient=True,
+    ) as p:
+        task = p.add_task(description, total=total)
+        yield lambda n=1: p.advance(task, n)
+
+
+# --------------------------------------------------------------------------------------------
+# --steps
+# --------------------------------------------------------------------------------------------
+def parse_steps(spec: str | None) -> Callable[[Any], Any] | None:
+    """Parse ``--steps``: comma-separated steps and ``start:stop[:stride]`` ranges (stop
+    exclusive, start/stop optional), e.g. ``0,10,20``, ``0:100``, ``:50``, ``100:``, ``0:100:10``.
+
+    Returns a function mapping a step array to a boolean mask, or ``None`` for "all steps".
+    """
+    if spec is None:
+        return None
+    items = [p.strip() for p in spec.split(",")]
+    if not spec.strip() or any(not p for p in items):
+        raise click.BadParameter(f"{spec!r}: give steps like 0,10,20 or a range like 0:100", param_hint="'--steps'")
+    singles: list[int] = []
+    ranges: list[tuple[int | None, int | None, int]] = []
+    for p in items:
+        try:
+            if ":" in p:
+                parts = p.split(":")
+                if len(parts) > 3:
+                    raise ValueError
+                start = int(parts[0]) if parts[0] else None
+                stop = int(parts[1]) if parts[1] else None
+                stride = int(parts[2]) if len(parts) == 3 and parts[2] else 1
+                if stride < 1 or (start is not None and start < 0) or (stop is not None and stop < 0):
+                    raise ValueError
+                ranges.append((start, stop, stride))
+            else:
+                v = int(p)
+                if v < 0:
+                    raise ValueError
+                singles.append(v)
+        except ValueError:
+            raise click.BadParameter(
+                f"{p!r} in {spec!r} is not a step or a start:stop[:stride] range of non-negative ints",
+                param_hint="'--steps'",
+            ) from None
+
+    def mask(steps: Any) -> Any:
+        import numpy as np
+
+        s = np.asarray(steps, np.int64)
+        m = np.isin(s, singles)
+        for start, stop, stride in ranges:
+            lo = 0 if start is None else start
+            r = s >= lo
+            if stop is not None:
+                r &= s < stop
+            if stride != 1:
+                r &= (s - lo) % stride == 0
+            m |= r
+        return m
+
+    return mask

@@ -1,0 +1,240 @@
+"""``hookline show RUN [HANDLE]``: what a run holds; with HANDLE, per-field statistics."""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any
+
+import click
+import numpy as np
+
+from .options import (
+    CONTEXT_SETTINGS,
+    clean_json,
+    console,
+    echo_json,
+    fmt_num,
+    fmt_steps,
+    human_bytes,
+    json_option,
+    open_run_arg,
+    progress_bar,
+    quiet_option,
+    tracking_uri_option,
+)
+
+
+def _shape(fld: Any) -> list[int] | None:
+    s = getattr(fld, "shape", None)
+    return [int(x) for x in s] if s is not None else None
+
+
+def _dtype(fld: Any) -> str:
+    d = getattr(fld, "dtype", None)
+    return getattr(d, "name", None) or str(d)
+
+
+def _steps(obj: Any) -> np.ndarray:
+    s = getattr(obj, "steps", None)
+    return np.asarray(s if s is not None else [], np.int64)
+
+
+def _meta(handle: Any) -> dict:
+    m = getattr(handle, "meta", None)
+    return m if isinstance(m, dict) else {}
+
+
+def handle_bytes(handle: Any) -> int | None:
+    """Bytes on disk of one handle (file size when known, else the manifest's count)."""
+    for attr in ("nbytes", "bytes", "size"):
+        v = getattr(handle, attr, None)
+        if isinstance(v, (int, np.integer)):
+            return int(v)
+    for attr in ("path", "file"):
+        p = getattr(handle, attr, None)
+        if p is not None and os.path.isfile(str(p)):
+            return os.path.getsize(str(p))
+    m = _meta(handle)
+    for key in ("bytes", "nbytes"):
+        if isinstance(m.get(key), (int, np.integer)):
+            return int(m[key])
+    return None
+
+
+def handle_info(run: Any, hid: str) -> dict[str, Any]:
+    h = run[hid]
+    fields = []
+    for name in h.fields:
+        f = h[name]
+        shape = _shape(f)
+        fields.append({
+            "name": name,
+            "dtype": _dtype(f),
+            "shape": shape,
+            "ragged": shape is None,
+            "records": len(f),
+        })
+    steps = _steps(h)
+    return {
+        "handle": hid,
+        "module_name": getattr(h, "module_name", None),
+        "module_type": getattr(h, "module_type", None),
+        "category": getattr(h, "category", None),
+        "records": int(len(steps)),
+        "steps": [int(steps.min()), int(steps.max())] if steps.size else None,
+        "n_steps": int(np.unique(steps).size),
+        "bytes": handle_bytes(h),
+        "fields": fields,
+    }
+
+
+def field_stats(fld: Any, advance=lambda n=1: None) -> dict[str, Any]:
+    """Streamed statistics over all records: element min/max/mean and per-record L2 norms."""
+    from hookline.storage.compare import iter_records
+
+    n_el = 0
+    total = 0.0
+    lo, hi = math.inf, -math.inf
+    norms: list[float] = []
+    nonfinite = 0
+    for _, rec in iter_records(fld):
+        x = np.asarray(rec)
+        if x.dtype.kind == "c":
+            x = np.abs(x)
+        x = x.astype(np.float64, copy=False).ravel()
+        fin = np.isfinite(x)
+        if not fin.all():
+            nonfinite += int((~fin).sum())
+            x = x[fin]
+        if x.size:
+            lo = min(lo, float(x.min()))
+            hi = max(hi, float(x.max()))
+            total += float(x.sum())
+            n_el += x.size
+        norms.append(float(np.sqrt(np.dot(x, x))))
+        advance(1)
+    nrm = np.asarray(norms)
+    return {
+        "min": lo if n_el else None,
+        "max": hi if n_el else None,
+        "mean": total / n_el if n_el else None,
+        "norm_mean": float(nrm.mean()) if nrm.size else None,
+        "norm_min": float(nrm.min()) if nrm.size else None,
+        "norm_max": float(nrm.max()) if nrm.size else None,
+        "norm_last": float(nrm[-1]) if nrm.size else None,
+        "nonfinite": nonfinite,
+    }
+
+
+def _short_type(t: str | None) -> str:
+    if not t:
+        return "-"
+    return t.rsplit(".", 1)[-1]
+
+
+def _shape_text(f: dict) -> str:
+    return "ragged" if f["shape"] is None else "×".join(map(str, f["shape"])) or "scalar"
+
+
+@click.command(context_settings=CONTEXT_SETTINGS, short_help='Show what a run holds; with HANDLE, per-field statistics.')
+@click.argument("run", metavar="RUN")
+@click.argument("handle", metavar="[HANDLE]", required=False)
+@json_option
+@quiet_option
+@tracking_uri_option
+def show(run: str, handle: str | None, as_json: bool, quiet: bool, tracking_uri: str | None) -> None:
+    """Show the handles, fields, dtypes, shapes, records, steps and bytes of a run.
+
+    With HANDLE, also per-field statistics over all records (streamed): element min, max and
+    mean, and the per-record L2 norm (mean, min, max, last). RUN is a run directory,
+    runs:/<id>, or an MLflow run id. A ragged field (shape varies across records) shows its
+    shape as "ragged".
+
+    \b
+    Example:
+      hookline show runs/baseline
+      hookline show runs/baseline 'grads[fc1]'
+      hookline show runs:/0a1b2c... --json
+    """
+    r = open_run_arg(run, tracking_uri)
+    if handle is None:
+        infos = [handle_info(r, h) for h in r.handles]
+        if as_json:
+            echo_json(clean_json({"run": run, "handles": infos}))
+            return
+        _print_run(run, infos)
+        return
+
+    info = handle_info(r, handle)  # unknown handle -> UnknownNameError -> one-line error
+    h = r[handle]
+    total = sum(f["records"] for f in info["fields"])
+    with progress_bar(f"reading {handle}", total, quiet=quiet or as_json) as advance:
+        for f in info["fields"]:
+            f.update(field_stats(h[f["name"]], advance))
+    if as_json:
+        echo_json(clean_json({"run": run, **info}))
+        return
+    _print_handle(run, info)
+
+
+def _print_run(run: str, infos: list[dict]) -> None:
+    from rich.table import Table
+
+    total = sum(i["bytes"] or 0 for i in infos)
+    table = Table(title=f"{run}: {len(infos)} handles, {human_bytes(total)}", title_justify="left", pad_edge=False)
+    table.add_column("handle", overflow="fold", ratio=3)
+    table.add_column("module", overflow="fold", ratio=2)
+    table.add_column("field", overflow="fold", ratio=2)
+    table.add_column("dtype", no_wrap=True)
+    table.add_column("shape", overflow="fold")
+    table.add_column("records", justify="right")
+    table.add_column("steps", justify="right", no_wrap=True)
+    table.add_column("bytes", justify="right", no_wrap=True)
+    for i in infos:
+        fields = i["fields"] or [{"name": "-", "dtype": "-", "shape": [], "records": 0}]
+        for k, f in enumerate(fields):
+            first = k == 0
+            table.add_row(
+                i["handle"] if first else "",
+                f"{i['module_name'] or '-'} ({_short_type(i['module_type'])})" if first else "",
+                f["name"],
+                f["dtype"],
+                _shape_text(f) if f["name"] != "-" else "-",
+                str(f["records"]),
+                _steps_text(i) if first else "",
+                human_bytes(i["bytes"]) if first else "",
+                end_section=(k == len(fields) - 1),
+            )
+    console().print(table)
+
+
+def _steps_text(i: dict) -> str:
+    if not i["steps"]:
+        return "-"
+    a, b = i["steps"]
+    return str(a) if a == b else f"{a}..{b} ({i['n_steps']})"
+
+
+def _print_handle(run: str, info: dict) -> None:
+    from rich.table import Table
+
+    c = console()
+    c.print(f"[bold]{info['handle']}[/] in {run}", soft_wrap=True)
+    c.print(
+        f"module {info['module_name'] or '-'} ({info['module_type'] or '-'}), {info['category'] or '-'}; "
+        f"{info['records']} records, steps {_steps_text(info)}, {human_bytes(info['bytes'])}",
+        soft_wrap=True,
+    )
+    table = Table(pad_edge=False)
+    for col, kw in (("field", {"overflow": "fold"}), ("dtype", {}), ("shape", {"overflow": "fold"}),
+                    ("records", {"justify": "right"}), ("min", {"justify": "right"}),
+                    ("max", {"justify": "right"}), ("mean", {"justify": "right"}),
+                    ("L2 norm mean", {"justify": "right"}), ("norm max", {"justify": "right"}),
+                    ("norm last", {"justify": "right"})):
+        table.add_column(col, **kw)
+    for f in info["fields"]:
+        table.add_row(f["name"], f["dtype"], _shape_text(f), str(f["records"]), fmt_num(f["min"]),
+                      fmt_num(f["max"]), fmt_num(f["mean"]), fmt_num(f["norm_mean"]),
+                      fmt_num(f["norm_max"]), fmt_num(f["norm_last"]))
+    c.print(table)

@@ -1,0 +1,60 @@
+"""``hookline verify RUN_DIR [--repair]``: check (and repair) a run directory."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+import click
+
+from .options import CONTEXT_SETTINGS, clean_json, console, echo_json, json_option
+
+
+def report_dict(report: Any) -> dict[str, Any]:
+    """JSON form of a VerifyReport (its own ``to_dict()`` when it has one)."""
+    if hasattr(report, "to_dict"):
+        d = dict(report.to_dict())
+    elif dataclasses.is_dataclass(report):
+        d = dataclasses.asdict(report)
+    else:
+        d = {k: v for k, v in vars(report).items() if not k.startswith("_")}
+    if "ok" not in d and hasattr(report, "ok"):
+        d["ok"] = bool(report.ok)
+    return d
+
+
+@click.command(context_settings=CONTEXT_SETTINGS, short_help='Check a run directory; --repair fixes what it can.')
+@click.argument("run_dir", metavar="RUN_DIR", type=click.Path(file_okay=False))
+@click.option("--repair", is_flag=True,
+              help="Repair what can be repaired (finish interrupted files, rebuild the manifest).")
+@json_option
+def verify(run_dir: str, repair: bool, as_json: bool) -> None:
+    """Check a run directory: which handles and records survived, what is broken.
+
+    Opens every handle file, counts readable records, and compares them with the manifest.
+    With --repair, also fixes what can be fixed (e.g. after the training process was killed).
+    Exits non-zero when problems remain.
+
+    \b
+    Example:
+      hookline verify runs/baseline
+      hookline verify runs/crashed --repair
+      hookline verify runs/baseline --json
+    """
+    from hookline.storage import verify as storage_verify
+
+    if not os.path.isdir(run_dir):
+        raise click.ClickException(f"run directory {run_dir!r} does not exist")
+    report = storage_verify(run_dir, repair=repair)
+    d = report_dict(report)
+    ok = bool(d.get("ok", True))
+    if as_json:
+        echo_json(clean_json(d))
+    else:
+        console().print(str(report), soft_wrap=True, highlight=False, markup=False)
+    if not ok:
+        raise click.ClickException(
+            f"run directory {run_dir!r} has problems"
+            + ("" if repair else "; run `hookline verify --repair` to fix what can be fixed")
+        )
