@@ -1,0 +1,347 @@
+"""MLflow adapter against both stores: the embedded sqlite default and a real ``mlflow server``."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from _mlflow_support import LINEAR, RELU, HandleSpec, build_run, sha256
+
+from hookline.storage import InvalidArgumentError, TrackingError, UnknownNameError, handle_key
+from hookline.storage.mlflow_adapter import (
+    MlflowAdapter,
+    metric_key,
+    mlflow_source,
+    parse_run_uri,
+    sync,
+    tag_key,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+
+# The three filter strings documented in docs/mlflow.md (checked verbatim below).
+F_CAPTURED = "tags.`hookline.outputs/blocks.0/id` = 'outputs[blocks.0]'"
+F_LINEAR = "tags.`hookline.has.Linear` = 'true'"
+F_GRAD = "metrics.`hookline.grads/blocks.0/grad_out.0.norm_max` > 5"
+
+SPECS = [
+    HandleSpec("outputs[blocks.0]", LINEAR, "outputs.0"),
+    HandleSpec("grads[blocks.0]", LINEAR, "grad_out.0", category="backward_hook"),
+]
+
+
+def _search(new_run, flt: str) -> set[str]:
+    import mlflow
+
+    runs = mlflow.search_runs(experiment_ids=[new_run.experiment_id], filter_string=flt, output_format="list")
+    return {r.info.run_id for r in runs}
+
+
+def _history(client, run_id: str, key: str) -> list[tuple[int, float]]:
+    return sorted((m.step, m.value) for m in client.get_metric_history(run_id, key))
+
+
+# --------------------------------------------------------------------------------------------
+# naming (no store)
+# --------------------------------------------------------------------------------------------
+
+
+def test_keys_follow_documented_scheme():
+    assert tag_key("outputs[blocks.0]", "id") == "hookline.outputs/blocks.0/id"
+    assert tag_key("outputs[blocks.0]", "id", rank=1) == "hookline.outputs/blocks.0-rank1/id"
+    assert metric_key("grads[blocks.0]", "grad_out.0", "norm_max") == "hookline.grads/blocks.0/grad_out.0.norm_max"
+    assert metric_key("grads[blocks.0]", "grad_out.0") == "hookline.grads/blocks.0/grad_out.0.norm"
+
+
+def test_keys_are_valid_and_collision_free_for_awkward_ids():
+    ids = ["outputs[a.b]", "outputs[a]", "outputs[a-rank1]", "outputs", "outputs[]", "out puts[x:y]",
+           "grads[" + "very.long.module.name." * 30 + "]", "grads[" + "very.long.module.name." * 30 + "x]",
+           "weird/id[a[b]]", "ünïcode[模块]"]
+    keys = set()
+    for hid in ids:
+        for rank in (None, 0, 1):
+            for f in ("outputs.0", "grad_out.0", "x" * 200):
+                for stat in ("norm", "norm_max", "norm_last"):
+                    k = metric_key(hid, f, stat, rank=rank)
+                    assert re.fullmatch(r"[/\w.\- ]*", k) and len(k) <= 250, k
+                    keys.add(k)
+            for name in ("id", "records", "synced"):
+                k = tag_key(hid, name, rank=rank)
+                assert re.fullmatch(r"[/\w.\- ]*", k) and len(k) <= 250, k
+                keys.add(k)
+    assert len(keys) == len(ids) * 3 * (9 + 3)
+
+
+def test_parse_run_uri_forms_and_errors():
+    rid = "0123456789abcdef0123456789abcdef"
+    assert parse_run_uri(f"runs:/{rid}") == (rid, "hookline", None)
+    assert parse_run_uri(f"runs:/{rid}/hookline/", "http://x") == (rid, "hookline", "http://x")
+    assert parse_run_uri(f"mlflow-artifacts:/3/{rid}/artifacts/hookline") == (rid, "hookline", None)
+    assert parse_run_uri(f"mlflow-artifacts://127.0.0.1:5000/3/{rid}/artifacts") == (
+        rid, "hookline", "http://127.0.0.1:5000")
+    assert parse_run_uri(rid, "sqlite:///x.db") == (rid, "hookline", "sqlite:///x.db")
+    with pytest.raises(InvalidArgumentError, match="not-a-run"):
+        parse_run_uri("not-a-run")
+
+
+def test_import_storage_does_not_import_mlflow():
+    code = ("import sys, hookline.storage as s; a = s.MlflowAdapter('0123456789abcdef0123456789abcdef'); "
+            "a.close(); print('mlflow' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"
+
+
+def test_bad_arguments_quote_the_value():
+    with pytest.raises(InvalidArgumentError, match="'bad/id'"):
+        MlflowAdapter("bad/id")
+    with pytest.raises(InvalidArgumentError, match="-1"):
+        MlflowAdapter("abc", rank=-1)
+
+
+def test_docs_show_the_tested_filters():
+    text = (REPO / "docs" / "mlflow.md").read_text()
+    for flt in (F_CAPTURED, F_LINEAR, F_GRAD):
+        assert flt in text, flt
+
+
+# --------------------------------------------------------------------------------------------
+# both stores
+# --------------------------------------------------------------------------------------------
+
+
+def test_sync_uploads_files_tags_and_metrics(store, new_run, tmp_path):
+    client = new_run.client
+    rid = new_run()
+    built = build_run(tmp_path / "run", SPECS, records=6)
+    report = sync(built.path, rid, tracking_uri=store)
+    assert report.ok and report.metrics > 0
+    assert sorted(report.uploaded) == ["hookline/grads/blocks.0.h5", "hookline/manifest.json",
+                                       "hookline/outputs/blocks.0.h5"]
+    # artifacts hold the same bytes as the local files
+    dl = tmp_path / "dl"
+    for rel in ("outputs/blocks.0.h5", "grads/blocks.0.h5", "manifest.json"):
+        got = client.download_artifacts(rid, f"hookline/{rel}", dst_path=str(dl))
+        assert sha256(Path(got)) == sha256(built.path / rel)
+    tags = client.get_run(rid).data.tags
+    assert tags[tag_key("outputs[blocks.0]", "id")] == "outputs[blocks.0]"
+    assert tags[tag_key("grads[blocks.0]", "module_type")] == LINEAR
+    assert tags[tag_key("grads[blocks.0]", "category")] == "backward_hook"
+    assert tags[tag_key("grads[blocks.0]", "records")] == "6"
+    assert tags[tag_key("grads[blocks.0]", "artifact")] == "hookline/grads/blocks.0.h5"
+    assert tags[tag_key("outputs[blocks.0]", "fields")] == '["outputs.0"]'
+    assert tags[tag_key("outputs[blocks.0]", "shape")] == '{"outputs.0": [4, 3]}'
+    assert tags[tag_key("outputs[blocks.0]", "dtype")] == '{"outputs.0": "float32"}'
+    assert tags["hookline.has.Linear"] == "true" and tags["hookline.handles"] == "2"
+    assert tags["hookline.format_version"] == "1"
+    # per-step norm series and summaries
+    for hid in ("outputs[blocks.0]", "grads[blocks.0]"):
+        f = built.fields[hid]
+        hist = _history(client, rid, metric_key(hid, f))
+        assert [s for s, _ in hist] == list(built.steps[hid])
+        np.testing.assert_allclose([v for _, v in hist], built.norms(hid), rtol=1e-5)
+        metrics = client.get_run(rid).data.metrics
+        assert metrics[metric_key(hid, f, "norm_max")] == pytest.approx(built.norms(hid).max(), rel=1e-5)
+        assert metrics[metric_key(hid, f, "norm_last")] == pytest.approx(built.norms(hid)[-1], rel=1e-5)
+
+
+def test_sync_is_idempotent(store, new_run, tmp_path):
+    client = new_run.client
+    rid = new_run()
+    built = build_run(tmp_path / "run", SPECS, records=4)
+    sync(built.path, rid, tracking_uri=store)
+    again = sync(built.path, rid, tracking_uri=store)
+    assert again.ok and again.uploaded == [] and again.metrics == 0 and again.tags == 0
+    assert len(again.skipped) == 3
+    # lose the bookkeeping (as if a pass died between logging metrics and tags): still no duplicates
+    client.delete_tag(rid, tag_key("grads[blocks.0]", "records"))
+    client.delete_tag(rid, tag_key("grads[blocks.0]", "synced"))
+    third = sync(built.path, rid, tracking_uri=store)
+    assert third.ok and third.uploaded == ["hookline/grads/blocks.0.h5"] and third.metrics > 0
+    for hid in ("outputs[blocks.0]", "grads[blocks.0]"):
+        for stat in ("norm", "norm_max", "norm_last"):
+            hist = client.get_metric_history(rid, metric_key(hid, built.fields[hid], stat))
+            assert len(hist) == (4 if stat == "norm" else 1), (hid, stat, hist)
+    assert len(client.list_artifacts(rid, "hookline/grads")) == 1
+
+
+def test_documented_filters_find_exactly_the_right_runs(store, new_run, tmp_path):
+    runs = {
+        "A": [HandleSpec("outputs[blocks.0]", LINEAR, "outputs.0"),
+              HandleSpec("grads[blocks.0]", LINEAR, "grad_out.0", scale=10.0, category="backward_hook")],
+        "B": [HandleSpec("outputs[act]", RELU, "outputs.0"),
+              HandleSpec("grads[act]", RELU, "grad_out.0", scale=10.0, category="backward_hook")],
+        "C": [HandleSpec("outputs[blocks.0]", LINEAR, "outputs.0"),
+              HandleSpec("grads[blocks.0]", LINEAR, "grad_out.0", scale=0.1, category="backward_hook")],
+        "D": [HandleSpec("outputs[head]", LINEAR, "outputs.0")],
+        "E": [HandleSpec("outputs[blocks.1]", RELU, "outputs.0")],
+    }
+    ids = {}
+    for i, (name, specs) in enumerate(runs.items()):
+        ids[name] = new_run(name)
+        sync(build_run(tmp_path / name, specs, records=3, seed=i).path, ids[name], tracking_uri=store)
+    new_run("empty")  # a run without hookline data
+    import mlflow
+
+    mlflow.set_tracking_uri(store)
+    try:
+        assert _search(new_run, F_CAPTURED) == {ids["A"], ids["C"]}
+        assert _search(new_run, F_LINEAR) == {ids["A"], ids["C"], ids["D"]}
+        assert _search(new_run, F_GRAD) == {ids["A"]}
+    finally:
+        mlflow.set_tracking_uri(None)
+
+
+def test_open_run_from_mlflow_downloads_only_what_is_read(store, new_run, tmp_path):
+    rid = new_run()
+    specs = SPECS + [HandleSpec("outputs[blocks.1]", LINEAR, "outputs.0", shape=(2, 5))]
+    built = build_run(tmp_path / "run", specs, records=5)
+    sync(built.path, rid, tracking_uri=store)
+    cache = tmp_path / "cache"
+    src = mlflow_source(f"runs:/{rid}", tracking_uri=store, cache_dir=cache)
+    assert {h for m in src.manifests() for h in m["handles"]} == set(built.data)
+    files = lambda: sorted(p.relative_to(cache / rid).as_posix() for p in (cache / rid).rglob("*.h5"))  # noqa: E731
+    assert files() == []
+    try:
+        from hookline.storage import open_run
+    except (ImportError, AttributeError):
+        open_run = None
+    if open_run is not None:
+        run = open_run(f"runs:/{rid}", tracking_uri=store, cache_dir=cache)
+        assert sorted(run.handles) == sorted(built.data)
+        h = run["grads[blocks.0]"]
+        np.testing.assert_array_equal(h.steps, built.steps["grads[blocks.0]"])
+        np.testing.assert_array_equal(h["grad_out.0"].read(), built.data["grads[blocks.0]"])
+    else:
+        import h5py
+
+        with h5py.File(src.path("grads/blocks.0.h5"), "r") as f:
+            np.testing.assert_array_equal(f["grad_out.0"][()], built.data["grads[blocks.0]"])
+    assert files() == ["hookline/grads/blocks.0.h5"]
+    assert not list((cache / rid).glob(".partial/*"))  # no stray temp dirs
+    # second access reuses the cache
+    p = src.path("grads/blocks.0.h5")
+    mtime = p.stat().st_mtime_ns
+    assert src.path("grads/blocks.0.h5").stat().st_mtime_ns == mtime
+    # the mlflow-artifacts:/ and bare-id forms reach the same run
+    art_uri = new_run.client.get_run(rid).info.artifact_uri
+    if art_uri.startswith("mlflow-artifacts:"):
+        assert mlflow_source(f"{art_uri}/hookline", tracking_uri=store, cache_dir=cache).run_id == rid
+    assert mlflow_source(rid, tracking_uri=store, cache_dir=cache).path("outputs/blocks.1.h5").is_file()
+
+
+def test_adapter_submit_never_blocks_and_close_uploads(store, new_run, tmp_path):
+    client = new_run.client
+    rid = new_run()
+    built = build_run(tmp_path / "run", SPECS, records=3)
+    adapter = MlflowAdapter(rid, tracking_uri=store)
+    t0 = time.perf_counter()
+    adapter.submit(built.path)  # metrics and tags only, mid-run
+    assert time.perf_counter() - t0 < 0.05
+    rep = adapter.wait(timeout=60)
+    assert rep.ok and rep.uploaded == [] and rep.metrics > 0
+    final = adapter.close(timeout=60)
+    assert final.ok and len(final.uploaded) == 3
+    assert adapter.close() is final  # idempotent
+    assert len(client.get_metric_history(rid, metric_key("grads[blocks.0]", "grad_out.0"))) == 3
+    assert client.get_run(rid).data.tags[tag_key("outputs[blocks.0]", "artifact")] == "hookline/outputs/blocks.0.h5"
+
+
+def test_ranked_runs_keep_ranks_apart(store, new_run, tmp_path):
+    client = new_run.client
+    rid = new_run()
+    spec = [HandleSpec("outputs[blocks.0]", LINEAR, "outputs.0")]
+    r0 = build_run(tmp_path / "run", spec, records=3, rank=0, world_size=2, seed=0)
+    r1 = build_run(tmp_path / "run", spec, records=3, rank=1, world_size=2, seed=1)
+    MlflowAdapter(rid, tracking_uri=store, rank=1).log_run_dir(r1.path)
+    names = {a.path for a in client.list_artifacts(rid, "hookline/outputs")}
+    assert names == {"hookline/outputs/blocks.0.rank1.h5"}
+    sync(r0.path, rid, tracking_uri=store)  # every rank's manifest in the directory
+    names = {a.path for a in client.list_artifacts(rid, "hookline/outputs")}
+    assert names == {"hookline/outputs/blocks.0.rank0.h5", "hookline/outputs/blocks.0.rank1.h5"}
+    tags = client.get_run(rid).data.tags
+    assert tags[tag_key("outputs[blocks.0]", "id", rank=0)] == "outputs[blocks.0]"
+    assert tags[tag_key("outputs[blocks.0]", "id", rank=1)] == "outputs[blocks.0]"
+    for rank, built in ((0, r0), (1, r1)):
+        hist = _history(client, rid, metric_key("outputs[blocks.0]", "outputs.0", rank=rank))
+        np.testing.assert_allclose([v for _, v in hist], built.norms("outputs[blocks.0]"), rtol=1e-5)
+
+
+def test_unknown_run_and_missing_dir_errors(store, tmp_path):
+    bad = "0123456789abcdef0123456789abcdef"
+    built = build_run(tmp_path / "run", SPECS[:1], records=1)
+    with pytest.raises(UnknownNameError, match=bad):
+        sync(built.path, bad, tracking_uri=store)
+    with pytest.raises(UnknownNameError, match=bad):
+        mlflow_source(f"runs:/{bad}", tracking_uri=store)
+    with pytest.raises(UnknownNameError, match="nowhere"):
+        MlflowAdapter(bad, tracking_uri=store).log_run_dir(tmp_path / "nowhere")
+
+
+def test_source_of_unsynced_run_says_how_to_fix(store, new_run):
+    from hookline.storage import FormatError
+
+    rid = new_run()
+    with pytest.raises(FormatError, match="hookline sync"):
+        mlflow_source(f"runs:/{rid}", tracking_uri=store).manifests()
+
+
+def test_default_tracking_uri_is_mlflows_resolution(sqlite_tracking_uri, tmp_path):
+    from mlflow import MlflowClient
+
+    rid = MlflowClient().create_run("0").info.run_id  # MLFLOW_TRACKING_URI set by the fixture
+    built = build_run(tmp_path / "run", SPECS[:1], records=2)
+    assert sync(built.path, rid).ok
+    assert MlflowClient(sqlite_tracking_uri).get_run(rid).data.tags["hookline.handles"] == "1"
+    assert not (REPO / "mlflow.db").exists()
+
+
+# --------------------------------------------------------------------------------------------
+# failure: the server dies mid-run, then comes back
+# --------------------------------------------------------------------------------------------
+
+
+def test_server_killed_mid_run_then_sync_completes_without_duplicates(mlflow_server_factory, tmp_path, monkeypatch):
+    from mlflow import MlflowClient
+
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")
+    server = mlflow_server_factory()
+    client = MlflowClient(server.uri)
+    rid = client.create_run(client.create_experiment("kill")).info.run_id
+    built = build_run(tmp_path / "run", SPECS, records=4)
+    adapter = MlflowAdapter(rid, tracking_uri=server.uri)
+    adapter.submit(built.path)  # mid-run pass: metrics + tags
+    assert adapter.wait(timeout=60).ok
+    before = {p: sha256(p) for p in built.path.rglob("*") if p.is_file()}
+
+    server.kill()
+    t0 = time.perf_counter()
+    adapter.submit(built.path)  # the training thread never sees the failure
+    assert time.perf_counter() - t0 < 0.05
+    with pytest.raises(TrackingError, match=f"hookline sync .* --run-id {rid}") as ei:
+        adapter.close(timeout=120)
+    assert ei.value.report.errors
+    assert adapter.close(raise_on_error=False) is ei.value.report  # reported once, then returned
+    assert {p: sha256(p) for p in built.path.rglob("*") if p.is_file()} == before  # local files untouched
+
+    server.restart()  # same backend store and artifact dir
+    report = sync(built.path, rid, tracking_uri=server.uri)
+    assert report.ok and len(report.uploaded) == 3
+    assert sync(built.path, rid, tracking_uri=server.uri).uploaded == []
+    dl = tmp_path / "dl"
+    for rel in ("outputs/blocks.0.h5", "grads/blocks.0.h5", "manifest.json"):
+        got = client.download_artifacts(rid, f"hookline/{rel}", dst_path=str(dl))
+        assert sha256(Path(got)) == sha256(built.path / rel)
+    for hid in built.data:
+        hist = _history(client, rid, metric_key(hid, built.fields[hid]))
+        assert [s for s, _ in hist] == list(built.steps[hid])  # every step exactly once
+        assert len(client.get_metric_history(rid, metric_key(hid, built.fields[hid], "norm_max"))) == 1
+    tags = client.get_run(rid).data.tags
+    assert tags[tag_key("grads[blocks.0]", "records")] == "4"
+    assert tags[tag_key("grads[blocks.0]", "artifact")] == "hookline/grads/blocks.0.h5"
