@@ -876,7 +876,8 @@ def sync(run_dir: str | os.PathLike, run_id: str, *, tracking_uri: str | None = 
     """Upload a run directory to an existing MLflow run; safe to repeat (nothing twice).
 
     This is what ``hookline sync RUN_DIR --run-id ID`` calls, e.g. after the server was down
-    during training.
+    during training. Failures of single uploads/requests do not raise: they are listed in the
+    returned report (``report.ok`` is False) and the next call retries exactly what is missing.
 
     Args:
         run_dir: the hookline run directory.
@@ -885,17 +886,20 @@ def sync(run_dir: str | os.PathLike, run_id: str, *, tracking_uri: str | None = 
         rank: sync only this rank's manifest (default: every manifest in the directory).
 
     Returns:
-        The :class:`SyncReport` (what was uploaded, skipped, logged).
+        The :class:`SyncReport` (what was uploaded, skipped, logged, and what failed).
 
     Raises:
-        TrackingError: if something failed (call again to retry).
-        UnknownNameError: if the run or directory does not exist.
+        UnknownNameError: if the run or the directory does not exist.
+        TrackingError: if the tracking store cannot be reached at all.
         FormatError: if the directory holds no readable manifest.
     """
     adapter = MlflowAdapter(run_id, tracking_uri=tracking_uri, rank=rank)
     try:
         _get_run(adapter.client, run_id)  # clear error for an unknown id before anything else
-        return adapter.log_run_dir(run_dir)
+        path = Path(run_dir)
+        adapter._remember(path)
+        with adapter._pass_lock:
+            return adapter._pass(path, True)
     finally:
         adapter._closed = True
         adapter._final = adapter._report
