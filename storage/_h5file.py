@@ -1,0 +1,460 @@
+"""One complete hookline handle file (a final ``.h5`` or a sealed ``.h5seg``): writing, opening,
+merging. The layout is described in docs/format.md; the writer, reader and verify share this code.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+import h5py
+import numpy as np
+
+from . import dtypes
+from .errors import FormatError
+from .format import (
+    FILE_FORMAT,
+    FORMAT_VERSION,
+    INDEX_GROUP,
+    flat_chunk,
+    index_chunk,
+    record_chunk,
+)
+
+__all__ = ["FieldSpec", "HandleFileWriter", "Part", "PartField", "open_part", "merge_parts", "compression_kwargs"]
+
+#: Bytes per read block when copying (merge): bounds merge memory.
+COPY_BLOCK_BYTES = 64 << 20
+
+
+def compression_kwargs(spec: str | None) -> dict[str, Any]:
+    """h5py ``create_dataset`` keyword arguments for a compression spec.
+
+    Args:
+        spec: ``None``/``"none"``, ``"gzip"`` (level 4) or ``"gzip-<level>"``, ``"lzf"``,
+            ``"zstd"`` (level 1) or ``"zstd-<level>"``, ``"lz4"``.
+    """
+    if spec is None or spec == "none":
+        return {}
+    name, _, level = spec.partition("-")
+    if name == "gzip":
+        return {"compression": "gzip", "compression_opts": int(level or 4), "shuffle": False}
+    if name == "lzf":
+        return {"compression": "lzf"}
+    if name in ("zstd", "lz4"):
+        import hdf5plugin
+
+        if name == "zstd":
+            return dict(hdf5plugin.Zstd(clevel=int(level or 1)))
+        return dict(hdf5plugin.LZ4())
+    from .errors import InvalidArgumentError
+
+    raise InvalidArgumentError(
+        f"unknown compression {spec!r}; use None, 'gzip', 'gzip-<1..9>', 'lzf', 'zstd', 'zstd-<level>' or 'lz4'"
+    )
+
+
+class FieldSpec:
+    """Static description of a field inside one file being written."""
+
+    __slots__ = ("name", "dtype_name", "info", "ragged", "shape", "ndim", "compression")
+
+    def __init__(self, name: str, dtype_name: str, ragged: bool, shape: tuple[int, ...], compression: str | None):
+        self.name = name
+        self.dtype_name = dtype_name
+        self.info = dtypes.info(dtype_name)
+        self.ragged = ragged
+        self.shape = shape  # per-record shape (fixed), or the first record's shape (ragged)
+        self.ndim = len(shape)
+        self.compression = compression
+
+
+class _FieldOut:
+    """A field dataset being appended to, plus its index lists (written at finish)."""
+
+    def __init__(self, f: h5py.File, spec: FieldSpec, expected: int):
+        self.spec = spec
+        st = spec.info.storage
+        kw = compression_kwargs(spec.compression)
+        self.direct = not kw
+        if spec.ragged:  # expected counts elements
+            self.chunk = flat_chunk(st.itemsize, expected)
+            self.ds = f.create_dataset(spec.name, shape=(0,), maxshape=(None,), dtype=st, chunks=self.chunk, **kw)
+        else:
+            self.chunk = record_chunk(spec.shape, st.itemsize, expected)
+            self.ds = f.create_dataset(
+                spec.name, shape=(0, *spec.shape), maxshape=(None, *spec.shape), dtype=st, chunks=self.chunk, **kw
+            )
+            # Direct chunk writes only when a chunk holds whole records.
+            self.direct = self.direct and tuple(self.chunk[1:]) == tuple(spec.shape)
+        self.n = 0  # entries along axis 0 (records for fixed, elements for ragged)
+        self.records: list[np.ndarray] = []
+        self.norms: list[np.ndarray] = []
+        self.offsets: list[np.ndarray] = []
+        self.shapes: list[np.ndarray] = []
+
+    def append(self, block: np.ndarray) -> None:
+        """Append ``block`` (``(k, *shape)`` for fixed, 1-D for ragged) to the dataset."""
+        k = block.shape[0]
+        if k == 0:
+            return
+        a, b = self.n, self.n + k
+        self.ds.resize(b, axis=0)
+        c0 = self.chunk[0]
+        if self.direct and a % c0 == 0 and block.flags.c_contiguous:
+            full = (k // c0) * c0
+            zeros = (0,) * (block.ndim - 1)
+            for j in range(0, full, c0):
+                self.ds.id.write_direct_chunk((a + j, *zeros), block[j : j + c0])
+            if full < k:
+                self.ds[a + full : b] = block[full:]
+        else:
+            self.ds[a:b] = block
+        self.n = b
+
+
+class HandleFileWriter:
+    """Writes one complete handle file; call :meth:`finish` to write the indexes and close it.
+
+    Args:
+        path: file to create (truncated).
+        attrs: root attributes (see docs/format.md); ``records``/``record_start`` are set by finish.
+        record_start: global record number of this file's first record.
+    """
+
+    def __init__(self, path: Path, attrs: dict[str, Any], record_start: int):
+        self.path = Path(path)
+        self.f = h5py.File(self.path, "w", rdcc_nbytes=0)
+        self.attrs = attrs
+        self.record_start = record_start
+        self.steps: list[np.ndarray] = []
+        self.calls: list[np.ndarray] = []
+        self.n_records = 0
+        self.fields: dict[str, _FieldOut] = {}
+        self.bytes = 0
+
+    def field(self, spec: FieldSpec, expected: int) -> _FieldOut:
+        """Return the output of a field, creating its dataset on first use."""
+        out = self.fields.get(spec.name)
+        if out is None:
+            out = self.fields[spec.name] = _FieldOut(self.f, spec, expected)
+        return out
+
+    def add_index(self, steps: np.ndarray, calls: np.ndarray) -> None:
+        """Append record index entries (one per record)."""
+        self.steps.append(np.asarray(steps, dtype=np.int64))
+        self.calls.append(np.asarray(calls, dtype=np.int64))
+        self.n_records += len(steps)
+
+    def finish(self, extra_attrs: dict[str, Any] | None = None) -> None:
+        """Write ``step``/``call``, every field's index datasets and the attributes; close."""
+        f = self.f
+        n = self.n_records
+        for name, parts in (("step", self.steps), ("call", self.calls)):
+            arr = np.concatenate(parts) if parts else np.zeros(0, np.int64)
+            f.create_dataset(name, data=arr, maxshape=(None,), chunks=index_chunk(n))
+        idx = f.create_group(INDEX_GROUP)
+        for name, out in self.fields.items():
+            spec = out.spec
+            g = idx.create_group(name)
+            rec = np.concatenate(out.records) if out.records else np.zeros(0, np.int64)
+            m = len(rec)
+            g.create_dataset("record", data=rec.astype(np.int64), maxshape=(None,), chunks=index_chunk(m))
+            if spec.info.has_norm:
+                nrm = np.concatenate(out.norms) if out.norms else np.zeros(0)
+                g.create_dataset("norm", data=nrm.astype(np.float64), maxshape=(None,), chunks=index_chunk(m))
+            ds = out.ds
+            ds.attrs["dtype"] = spec.dtype_name
+            ds.attrs["layout"] = "ragged" if spec.ragged else "fixed"
+            ds.attrs["ndim"] = np.int64(spec.ndim)
+            ds.attrs["records"] = np.int64(m)
+            if spec.ragged:
+                off = np.concatenate(out.offsets) if out.offsets else np.zeros(0, np.int64)
+                shp = np.concatenate(out.shapes) if out.shapes else np.zeros((0, spec.ndim), np.int64)
+                g.create_dataset("offset", data=off.astype(np.int64), maxshape=(None,), chunks=index_chunk(m))
+                g.create_dataset("shape", data=shp.astype(np.int64).reshape(m, spec.ndim),
+                                 maxshape=(None, spec.ndim), chunks=index_chunk(m, max(1, spec.ndim)))
+            else:
+                ds.attrs["shape"] = np.asarray(spec.shape, dtype=np.int64)
+        a = f.attrs
+        for k, v in self.attrs.items():
+            a[k] = v
+        a["hookline_format"] = FILE_FORMAT
+        a["format_version"] = np.int64(FORMAT_VERSION)
+        a["record_start"] = np.int64(self.record_start)
+        a["records"] = np.int64(n)
+        a["fields"] = json.dumps(list(self.fields))
+        for k, v in (extra_attrs or {}).items():
+            a[k] = v
+        f.close()
+
+    def abort(self) -> None:
+        """Close without finishing (best effort; the file stays a ``.partial``)."""
+        try:
+            self.f.close()
+        except Exception:
+            pass
+
+
+# --- reading -------------------------------------------------------------------------------------
+
+def _attr_str(a: Any) -> str:
+    if isinstance(a, bytes):
+        return a.decode("utf-8")
+    return str(a)
+
+
+_BUILTIN_FILTERS = {"gzip", "lzf", "shuffle", "fletcher32", "scaleoffset", "szip"}
+
+
+class PartField:
+    """One field inside one complete file; index arrays load on first use."""
+
+    def __init__(self, part: Part, name: str, ds: h5py.Dataset):
+        self.part = part
+        self.name = name
+        self.ds = ds
+        at = ds.attrs
+        try:
+            self.dtype_name = _attr_str(at["dtype"])
+            self.layout = _attr_str(at["layout"])
+            self.ndim = int(at["ndim"])
+            self.count = int(at["records"])
+        except KeyError as e:
+            raise FormatError(f"{str(part.path)!r}: field {name!r} lacks attribute {e}") from None
+        self.info = dtypes.info(self.dtype_name)
+        filters = getattr(ds, "_filters", None) or {}
+        if any(k not in _BUILTIN_FILTERS for k in filters):
+            ensure_filters()
+        if self.layout == "fixed":
+            self.shape: tuple[int, ...] | None = tuple(int(x) for x in at["shape"])
+            if ds.shape[1:] != self.shape or ds.shape[0] < self.count:
+                raise FormatError(f"{str(part.path)!r}: field {name!r} dataset shape {ds.shape} != attrs")
+        elif self.layout == "ragged":
+            self.shape = None
+        else:
+            raise FormatError(f"{str(part.path)!r}: field {name!r} has unknown layout {self.layout!r}")
+        self._records: np.ndarray | None = None
+        self._norms: np.ndarray | None = None
+        self._offsets: np.ndarray | None = None
+        self._shapes: np.ndarray | None = None
+
+    def _g(self) -> h5py.Group:
+        return self.part.f[INDEX_GROUP][self.name]
+
+    @property
+    def records(self) -> np.ndarray:
+        """Global record numbers of this field's entries (ascending)."""
+        if self._records is None:
+            self._records = self._g()["record"][: self.count].astype(np.int64)
+        return self._records
+
+    @property
+    def stored_norms(self) -> np.ndarray | None:
+        if self._norms is None:
+            g = self._g()
+            if "norm" not in g:
+                return None
+            self._norms = g["norm"][: self.count].astype(np.float64)
+        return self._norms
+
+    @property
+    def offsets(self) -> np.ndarray:
+        if self._offsets is None:
+            self._offsets = self._g()["offset"][: self.count].astype(np.int64)
+        return self._offsets
+
+    @property
+    def shapes(self) -> np.ndarray:
+        if self._shapes is None:
+            self._shapes = self._g()["shape"][: self.count].astype(np.int64).reshape(self.count, self.ndim)
+        return self._shapes
+
+    def record_shape(self, j: int) -> tuple[int, ...]:
+        if self.shape is not None:
+            return self.shape
+        return tuple(int(x) for x in self.shapes[j])
+
+    def read_stored(self, j: int) -> np.ndarray:
+        """Entry ``j`` (0-based within this file) in its stored dtype."""
+        if self.shape is not None:
+            return self.ds[j]
+        shp = self.record_shape(j)
+        off = int(self.offsets[j])
+        return self.ds[off : off + math.prod(shp)].reshape(shp)
+
+    def read_block(self, a: int, b: int) -> np.ndarray:
+        """Entries ``[a, b)`` of a fixed field, stacked, stored dtype."""
+        return self.ds[a:b]
+
+
+class Part:
+    """One complete handle file opened read-only (``rdcc_nbytes=0``: no chunk cache, so random
+    access to one record reads only that record's chunks' bytes)."""
+
+    def __init__(self, path: Path, f: h5py.File):
+        self.path = Path(path)
+        self.f = f
+        a = f.attrs
+        try:
+            if _attr_str(a["hookline_format"]) != FILE_FORMAT:
+                raise FormatError(f"{str(path)!r} is not a hookline handle file")
+            version = int(a["format_version"])
+            self.record_start = int(a["record_start"])
+            self.n = int(a["records"])
+            self.handle_id = _attr_str(a["handle_id"])
+        except KeyError as e:
+            raise FormatError(f"{str(path)!r} is not a hookline handle file (missing attribute {e})") from None
+        if version > FORMAT_VERSION:
+            raise FormatError(
+                f"{str(path)!r} has format_version {version}; this hookline reads <= {FORMAT_VERSION}: upgrade hookline"
+            )
+        self.attrs = {k: (_attr_str(v) if isinstance(v, (bytes, str)) else v) for k, v in a.items()}
+        self.field_names: list[str] = json.loads(self.attrs.get("fields", "[]"))
+        self._steps: np.ndarray | None = None
+        self._calls: np.ndarray | None = None
+        self._fields: dict[str, PartField] = {}
+        self._compressed: bool | None = None
+
+    @property
+    def steps(self) -> np.ndarray:
+        if self._steps is None:
+            self._steps = self.f["step"][: self.n].astype(np.int64)
+            if len(self._steps) != self.n:
+                raise FormatError(f"{str(self.path)!r}: 'step' has {len(self._steps)} entries, expected {self.n}")
+        return self._steps
+
+    @property
+    def calls(self) -> np.ndarray:
+        if self._calls is None:
+            self._calls = self.f["call"][: self.n].astype(np.int64)
+            if len(self._calls) != self.n:
+                raise FormatError(f"{str(self.path)!r}: 'call' has {len(self._calls)} entries, expected {self.n}")
+        return self._calls
+
+    def field(self, name: str) -> PartField:
+        pf = self._fields.get(name)
+        if pf is None:
+            pf = self._fields[name] = PartField(self, name, self.f[name])
+        return pf
+
+    def close(self) -> None:
+        try:
+            self.f.close()
+        except Exception:
+            pass
+
+
+def open_part(path: Path) -> Part:
+    """Open a complete handle file read-only.
+
+    Raises:
+        FormatError: not a hookline handle file / unsupported version.
+        OSError: HDF5 cannot open it.
+    """
+    try:
+        f = h5py.File(path, "r", rdcc_nbytes=0)
+    except OSError:
+        raise
+    try:
+        return Part(path, f)
+    except Exception:
+        f.close()
+        raise
+
+
+def ensure_filters() -> None:
+    """Import hdf5plugin (registers Zstd/LZ4 filters) if installed; a no-op otherwise."""
+    try:
+        import hdf5plugin  # noqa: F401
+    except ImportError:
+        pass
+
+
+# --- merging -------------------------------------------------------------------------------------
+
+def merge_parts(parts: list[Part], out_path: Path, attrs: dict[str, Any],
+                compression_for: Callable[[str], str | None] | None = None,
+                record_start: int = 0) -> int:
+    """Copy the records of ``parts`` (in order) into one new complete file at ``out_path``.
+
+    Records are renumbered contiguously from ``record_start``. A field is stored ragged in the
+    output if it is ragged in any input or its per-record shape differs between inputs. Memory is
+    bounded by :data:`COPY_BLOCK_BYTES`.
+
+    Returns:
+        The number of records written.
+    """
+    w = HandleFileWriter(out_path, attrs, record_start)
+    try:
+        bases = []
+        base = record_start
+        for p in parts:
+            bases.append(base - p.record_start)  # add to a part's record number -> output number
+            w.add_index(p.steps, p.calls)
+            base += p.n
+        names: list[str] = []
+        for p in parts:
+            for nm in p.field_names:
+                if nm not in names:
+                    names.append(nm)
+        for nm in names:
+            pfs = [(p.field(nm), shift) for p, shift in zip(parts, bases) if nm in p.field_names]
+            dnames = {pf.dtype_name for pf, _ in pfs}
+            if len(dnames) != 1:
+                raise FormatError(f"field {nm!r} has different dtypes across segments: {sorted(dnames)}")
+            first = pfs[0][0]
+            shapes = {pf.shape for pf, _ in pfs}
+            ragged = None in shapes or len(shapes) > 1
+            total = sum(pf.count for pf, _ in pfs)
+            if ragged:
+                total = sum(int(np.prod(pf.shapes, axis=1).sum()) if pf.shape is None and pf.ndim
+                            else pf.count * math.prod(pf.shape or ()) for pf, _ in pfs)
+            shape0 = first.shape if first.shape is not None else (
+                first.record_shape(0) if first.count else (0,) * first.ndim)
+            spec = FieldSpec(nm, first.dtype_name, ragged, tuple(shape0),
+                             compression_for(nm) if compression_for else None)
+            out = w.field(spec, total)
+            elem_off = 0
+            for pf, shift in pfs:
+                if pf.count == 0:
+                    continue
+                out.records.append(pf.records + shift)
+                if spec.info.has_norm:
+                    sn = pf.stored_norms
+                    out.norms.append(sn if sn is not None else np.full(pf.count, np.nan))
+                if pf.shape is not None:
+                    per = max(1, math.prod(pf.shape) * spec.info.storage.itemsize)
+                    step = max(1, COPY_BLOCK_BYTES // per)
+                    for a in range(0, pf.count, step):
+                        blk = pf.read_block(a, min(pf.count, a + step))
+                        out.append(blk.reshape(-1) if ragged else blk)
+                    if ragged:
+                        size = math.prod(pf.shape)
+                        out.offsets.append(elem_off + np.arange(pf.count, dtype=np.int64) * size)
+                        out.shapes.append(np.tile(np.asarray(pf.shape, np.int64), (pf.count, 1)).reshape(pf.count, pf.ndim))
+                        elem_off += size * pf.count
+                else:
+                    offs, shps = pf.offsets, pf.shapes
+                    sizes = np.prod(shps, axis=1, dtype=np.int64) if pf.ndim else np.ones(pf.count, np.int64)
+                    lo = int(offs[0]) if pf.count else 0
+                    hi = int(offs[-1] + sizes[-1]) if pf.count else 0
+                    step_el = max(1, COPY_BLOCK_BYTES // spec.info.storage.itemsize)
+                    for a in range(lo, hi, step_el):
+                        out.append(pf.ds[a : min(hi, a + step_el)])
+                    out.offsets.append(offs - lo + elem_off)
+                    out.shapes.append(shps)
+                    elem_off += hi - lo
+        w.finish()
+    except BaseException:
+        w.abort()
+        raise
+    return w.n_records
+
+
+def iter_close(parts: Iterable[Part]) -> None:
+    """Close every part (best effort)."""
+    for p in parts:
+        p.close()

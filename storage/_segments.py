@@ -1,0 +1,114 @@
+"""Finding a handle's files in a run directory and choosing which ones hold its records.
+
+A handle's records ``[0, n)`` may be spread over its final file and sealed segments; compaction
+or a crash in the middle of a merge can leave overlapping files. The *cover* takes, from record
+0 on, the complete file that starts at the current record and reaches furthest; records in a
+superseded (overlapped) file are also in a chosen one, so nothing is read twice.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import h5py
+
+__all__ = ["FileEntry", "Discovery", "discover_files", "cover"]
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    """A complete file of a handle.
+
+    Attributes:
+        name: path relative to the run directory (``/``-separated).
+        kind: ``"final"`` or ``"segment"``.
+        start: first global record number.
+        end: one past the last record number.
+    """
+
+    name: str
+    kind: str
+    start: int
+    end: int
+
+
+@dataclass
+class Discovery:
+    """What :func:`discover_files` found for one handle."""
+
+    cover: list[FileEntry] = field(default_factory=list)
+    end: int = 0
+    gaps: list[tuple[int, int]] = field(default_factory=list)
+    superseded: list[FileEntry] = field(default_factory=list)
+    partials: list[str] = field(default_factory=list)
+    broken: list[tuple[str, str]] = field(default_factory=list)
+
+
+def cover(entries: list[FileEntry]) -> tuple[list[FileEntry], list[FileEntry], list[tuple[int, int]], int]:
+    """Choose non-overlapping files covering as many records as possible, in order.
+
+    Returns:
+        ``(chosen, superseded, gaps, end)``.
+    """
+    todo = sorted(entries, key=lambda e: (e.start, -e.end, e.kind != "final"))
+    chosen: list[FileEntry] = []
+    superseded: list[FileEntry] = []
+    gaps: list[tuple[int, int]] = []
+    cur = 0
+    for e in todo:
+        if e.end <= cur:
+            superseded.append(e)
+            continue
+        if e.start < cur:  # partial overlap: cannot happen with hookline's merges; skip it
+            superseded.append(e)
+            continue
+        if e.start > cur:
+            gaps.append((cur, e.start))
+        chosen.append(e)
+        cur = e.end
+    return chosen, superseded, gaps, cur
+
+
+def _records_of_final(path: Path) -> int:
+    with h5py.File(path, "r", rdcc_nbytes=0) as f:
+        return int(f.attrs["record_start"]) + int(f.attrs["records"])
+
+
+def discover_files(run_dir: Path, key: str, suffix: str) -> Discovery:
+    """List a handle's files (by name; the final file is opened to read its record count)."""
+    run_dir = Path(run_dir)
+    sub, _, last = key.rpartition("/")
+    d = run_dir / sub if sub else run_dir
+    base = last + suffix
+    prefix = (sub + "/") if sub else ""
+    out = Discovery()
+    try:
+        names = os.listdir(d)
+    except FileNotFoundError:
+        return out
+    seg_re = re.compile(re.escape(base) + r"\.r(\d{12})-(\d{12})\.h5seg")
+    part_re = re.compile(re.escape(base) + r"(\.h5|\.r\d{12}(-\d{12})?\.h5seg)\.partial")
+    entries: list[FileEntry] = []
+    for nm in names:
+        if not nm.startswith(base + "."):
+            continue
+        rel = prefix + nm
+        if nm == base + ".h5":
+            try:
+                entries.append(FileEntry(rel, "final", 0, _records_of_final(d / nm)))
+            except Exception as e:
+                out.broken.append((rel, f"{type(e).__name__}: {e}"))
+            continue
+        m = seg_re.fullmatch(nm)
+        if m:
+            a, b = int(m[1]), int(m[2])
+            if b > a:
+                entries.append(FileEntry(rel, "segment", a, b))
+            continue
+        if part_re.fullmatch(nm):
+            out.partials.append(rel)
+    out.cover, out.superseded, out.gaps, out.end = cover(entries)
+    return out

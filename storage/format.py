@@ -1,0 +1,251 @@
+"""The hookline on-disk format: names, version, chunk rule, manifest I/O (see docs/format.md).
+
+A run directory holds one HDF5 file per hook handle plus ``manifest.json``. While a writer is
+running, a handle's records live in *segment* files that are closed and renamed when complete;
+at a clean ``close()`` they are merged into the handle's single ``<key>.h5`` file::
+
+    <key>[.rank<r>].h5                               final file (complete, closed)
+    <key>[.rank<r>].r<start:012d>-<end:012d>.h5seg   sealed segment: records [start, end)
+    <key>[.rank<r>].r<start:012d>.h5seg.partial      segment being written (never read)
+    <key>[.rank<r>].h5.partial                       final file being merged (never read)
+
+Every complete file (``.h5`` and ``.h5seg``) has the same internal layout.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from .errors import FormatError, InvalidArgumentError
+
+__all__ = [
+    "FORMAT_VERSION",
+    "FILE_FORMAT",
+    "RUN_FORMAT",
+    "INDEX_GROUP",
+    "TARGET_CHUNK_BYTES",
+    "hookline_version",
+    "rank_suffix",
+    "final_name",
+    "segment_name",
+    "partial_segment_name",
+    "SegmentName",
+    "parse_segment",
+    "manifest_name",
+    "chunk_records",
+    "record_chunk",
+    "flat_chunk",
+    "index_chunk",
+    "check_field_name",
+    "atomic_write_json",
+    "fsync_dir",
+    "read_manifest",
+    "now_iso",
+]
+
+#: Version of the on-disk layout; readers refuse files with a larger version.
+FORMAT_VERSION = 1
+#: Value of the ``hookline_format`` root attribute of every handle file.
+FILE_FORMAT = "hookline-handle"
+#: Value of the manifest's ``format`` key.
+RUN_FORMAT = "hookline-run"
+#: Group holding per-field record index datasets.
+INDEX_GROUP = "_index"
+#: Target bytes per chunk (FACTS: 256 KiB - 4 MiB is fine, >= 16 MiB is bad).
+TARGET_CHUNK_BYTES = 1 << 20
+_MAX_CHUNK_RECORDS = 1 << 16
+_RESERVED = {"step", "call"}
+
+
+def hookline_version() -> str:
+    """The installed hookline version, ``"unknown"`` if not installed."""
+    try:
+        from importlib.metadata import version
+
+        return version("hookline")
+    except Exception:  # pragma: no cover - source checkout without metadata
+        return "unknown"
+
+
+def now_iso() -> str:
+    """The current UTC time as ISO 8601 with offset."""
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def rank_suffix(rank: int | None, world_size: int | None) -> str:
+    """``".rank<r>"`` when ``world_size > 1``, else ``""`` (architecture.md file naming)."""
+    if world_size is not None and world_size > 1:
+        return f".rank{rank if rank is not None else 0}"
+    return ""
+
+
+def final_name(key: str, suffix: str = "") -> str:
+    """Relative path of a handle's final file: ``<key><suffix>.h5``."""
+    return f"{key}{suffix}.h5"
+
+
+def segment_name(key: str, suffix: str, start: int, end: int) -> str:
+    """Relative path of a sealed segment holding records ``[start, end)``."""
+    return f"{key}{suffix}.r{start:012d}-{end:012d}.h5seg"
+
+
+def partial_segment_name(key: str, suffix: str, start: int) -> str:
+    """Relative path of a segment being written, starting at record ``start``."""
+    return f"{key}{suffix}.r{start:012d}.h5seg.partial"
+
+
+def manifest_name(rank: int | None, world_size: int | None) -> str:
+    """``manifest.json``, or ``manifest.rank<r>.json`` when ``world_size > 1``."""
+    return f"manifest{rank_suffix(rank, world_size)}.json"
+
+
+@dataclass(frozen=True)
+class SegmentName:
+    """A parsed sealed-segment file name."""
+
+    start: int
+    end: int
+
+
+def parse_segment(file_name: str, base: str) -> SegmentName | None:
+    """Parse ``<base>.r<start>-<end>.h5seg`` (``base`` is the key's last component + suffix)."""
+    m = re.fullmatch(re.escape(base) + r"\.r(\d{12})-(\d{12})\.h5seg", file_name)
+    if not m:
+        return None
+    start, end = int(m[1]), int(m[2])
+    return SegmentName(start, end) if end > start else None
+
+
+def check_field_name(name: Any) -> str:
+    """Validate a field name: a non-empty str, no ``/``, not ``step``/``call``, not starting with ``_``.
+
+    Raises:
+        InvalidArgumentError: with the offending name.
+    """
+    if not isinstance(name, str) or not name or "/" in name or name.startswith("_") or name in _RESERVED:
+        raise InvalidArgumentError(
+            f"invalid field name {name!r}: use a non-empty string without '/', not starting with '_' "
+            f"and not 'step'/'call' (e.g. 'outputs.0')"
+        )
+    return name
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def chunk_records(record_bytes: int, expected: int | None = None, target: int = TARGET_CHUNK_BYTES) -> int:
+    """Records per chunk along axis 0: ``target // record_bytes`` (at least 1, at most 65536),
+    capped at the next power of two >= ``expected`` so small files do not allocate big chunks."""
+    c0 = max(1, min(_MAX_CHUNK_RECORDS, target // max(1, record_bytes)))
+    if expected is not None:
+        c0 = min(c0, _next_pow2(max(1, expected)))
+    return c0
+
+
+def record_chunk(shape: tuple[int, ...], itemsize: int, expected: int | None = None,
+                 target: int = TARGET_CHUNK_BYTES) -> tuple[int, ...]:
+    """Chunk shape of a fixed-shape field stored as ``(n, *shape)``.
+
+    Rule: whole records per chunk, ``chunk_records(record_bytes)`` of them. A record larger than
+    ``target`` gets chunks of one record whose leading dimensions are halved (left to right)
+    until the chunk is <= ``target`` bytes, so one record is a few contiguous chunks.
+    """
+    record_bytes = itemsize * math.prod(shape)
+    if record_bytes <= target:
+        return (chunk_records(record_bytes, expected, target), *shape)
+    dims = list(shape)
+    while itemsize * math.prod(dims) > target:
+        for i, d in enumerate(dims):
+            if d > 1:
+                dims[i] = (d + 1) // 2
+                break
+        else:  # pragma: no cover - all dims 1 means record_bytes <= target
+            break
+    return (1, *dims)
+
+
+def flat_chunk(itemsize: int, expected_elems: int | None = None, target: int = TARGET_CHUNK_BYTES) -> tuple[int]:
+    """Chunk of a ragged field's flat 1-D data: ``target`` bytes (smaller for small files)."""
+    n = max(1, target // itemsize)
+    if expected_elems is not None:
+        n = min(n, _next_pow2(max(1, expected_elems)))
+    return (n,)
+
+
+def index_chunk(expected: int, row: int | None = None) -> tuple[int, ...]:
+    """Chunk of an index dataset (``step``, ``call``, ``record``, ``norm``, ``offset``: 1-D;
+    ``shape``: 2-D with ``row`` columns)."""
+    n = min(1 << 16, _next_pow2(max(1, expected)))
+    return (n,) if row is None else (n, max(1, row))
+
+
+# --- file system helpers -----------------------------------------------------------------------
+
+def fsync_dir(path: Path) -> None:
+    """fsync a directory so that renames/creations inside it are durable."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:  # pragma: no cover - e.g. platforms without O_DIRECTORY
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_file(path: Path) -> None:
+    """fsync a closed file's data and metadata."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write_json(path: Path, obj: Any, *, fsync: bool = True) -> None:
+    """Write JSON atomically: ``<path>.tmp`` + fsync + rename + fsync of the directory."""
+    tmp = path.with_name(path.name + ".tmp")
+    data = json.dumps(obj, indent=1, sort_keys=False, allow_nan=True).encode("utf-8")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        if fsync:
+            os.fsync(f.fileno())
+    os.replace(tmp, path)
+    if fsync:
+        fsync_dir(path.parent)
+
+
+def read_manifest(path: Path) -> dict[str, Any]:
+    """Read and check one manifest file.
+
+    Raises:
+        FormatError: not JSON, not a hookline manifest, or a newer format version.
+    """
+    try:
+        obj = json.loads(Path(path).read_text("utf-8"))
+    except (OSError, ValueError) as e:
+        raise FormatError(f"cannot read manifest {str(path)!r}: {e}") from e
+    check_manifest(obj, str(path))
+    return obj
+
+
+def check_manifest(obj: Any, where: str) -> None:
+    """Raise :class:`FormatError` unless ``obj`` is a supported hookline manifest dict."""
+    if not isinstance(obj, dict) or obj.get("format") != RUN_FORMAT:
+        raise FormatError(f"{where!r} is not a hookline manifest (expected format={RUN_FORMAT!r})")
+    v = obj.get("format_version")
+    if not isinstance(v, int) or v > FORMAT_VERSION:
+        raise FormatError(
+            f"{where!r} has format_version {v!r}; this hookline reads <= {FORMAT_VERSION}: upgrade hookline"
+        )
+    if not isinstance(obj.get("handles"), dict):
+        raise FormatError(f"{where!r} has no 'handles' object")

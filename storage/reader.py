@@ -1,0 +1,517 @@
+"""Lazy reader of hookline runs: :func:`open_run` -> :class:`Run` -> :class:`Handle` -> :class:`Field`.
+
+Needs only numpy and h5py. Files are opened read-only with no chunk cache (``rdcc_nbytes=0``), so
+reading one record reads only that record's bytes. Runs whose writer was killed are read as they
+are: the complete files (final ``.h5`` and sealed ``.h5seg`` segments) are used, files still
+being written (``.partial``) are ignored. No pickle: only HDF5 datasets and JSON are parsed.
+
+Data comes from a *source* with two methods, so local directories and MLflow runs read alike::
+
+    manifests() -> list[dict]        # parsed manifest JSON, one per rank
+    path(rel: str) -> pathlib.Path   # local path of a file of the run (may download it)
+
+A source may also offer ``discover(key, suffix) -> _segments.Discovery`` to list segment files
+(the local source does; remote sources provide only the final files named in the manifest).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import h5py
+import numpy as np
+
+from . import dtypes
+from ._h5file import Part, PartField, open_part
+from ._segments import Discovery, discover_files
+from .errors import FormatError, InvalidArgumentError, StorageError, UnknownNameError
+from .format import RUN_FORMAT, FORMAT_VERSION, check_manifest, rank_suffix, read_manifest
+
+__all__ = ["open_run", "Run", "Handle", "Field", "LocalSource"]
+
+_RUN_ID = re.compile(r"[0-9a-f]{32}")
+_MANIFEST = re.compile(r"manifest(\.rank\d+)?\.json")
+
+
+def _names_hint(names: Sequence[str], limit: int = 30) -> str:
+    shown = ", ".join(repr(n) for n in list(names)[:limit])
+    more = f" ... and {len(names) - limit} more" if len(names) > limit else ""
+    return f"[{shown}{more}]"
+
+
+class LocalSource:
+    """A run directory on the local file system.
+
+    Args:
+        root: the run directory.
+    """
+
+    def __init__(self, root: str | os.PathLike[str]):
+        self.root = Path(root)
+
+    def manifests(self) -> list[dict[str, Any]]:
+        """Parsed manifests (``manifest.json`` / ``manifest.rank<r>.json``); synthesised from the
+        files' attributes when there is none."""
+        found = sorted(p for p in self.root.iterdir() if _MANIFEST.fullmatch(p.name))
+        if found:
+            return [read_manifest(p) for p in found]
+        return _synthesise_manifests(self.root)
+
+    def path(self, rel: str) -> Path:
+        """Local path of a file of the run."""
+        return self.root / rel
+
+    def discover(self, key: str, suffix: str) -> Discovery:
+        """The handle's complete files (final and sealed segments) in record order."""
+        return discover_files(self.root, key, suffix)
+
+
+def _synthesise_manifests(root: Path) -> list[dict[str, Any]]:
+    """Build manifests from the attributes of every complete file (a run without manifest)."""
+    by_rank: dict[tuple[int, int], dict[str, Any]] = {}
+    for p in sorted(list(root.rglob("*.h5")) + list(root.rglob("*.h5seg"))):
+        try:
+            with h5py.File(p, "r", rdcc_nbytes=0) as f:
+                a = {k: (v.decode() if isinstance(v, bytes) else v) for k, v in f.attrs.items()}
+        except OSError:
+            continue
+        if a.get("hookline_format") != "hookline-handle":
+            continue
+        rank, ws = int(a.get("rank", -1)), int(a.get("world_size", -1))
+        m = by_rank.setdefault((rank, ws), {
+            "format": RUN_FORMAT, "format_version": FORMAT_VERSION, "status": "unknown",
+            "rank": None if rank < 0 else rank, "world_size": None if ws < 0 else ws, "meta": {},
+            "handles": {}})
+        hid = str(a["handle_id"])
+        import json
+
+        m["handles"].setdefault(hid, {
+            "key": str(a["key"]), "file": f"{a['key']}{rank_suffix(m['rank'], m['world_size'])}.h5",
+            "module_name": str(a.get("module_name", "")), "module_type": str(a.get("module_type", "")),
+            "category": str(a.get("category", "")), "hook_fn_name": str(a.get("hook_fn_name", "")),
+            "meta": json.loads(a.get("meta", "{}")), "fields": {}})
+    return [by_rank[k] for k in sorted(by_rank)]
+
+
+class _Ref:
+    """One complete file of a handle (of one rank), opened on first use."""
+
+    def __init__(self, source: Any, rel: str, rank: int | None):
+        self.source = source
+        self.rel = rel
+        self.rank = rank
+        self.part: Part | None = None
+
+    def open(self, handle_id: str) -> Part:
+        if self.part is None:
+            path = self.source.path(self.rel)
+            try:
+                part = open_part(path)
+            except OSError as e:
+                raise StorageError(f"cannot open {str(path)!r} of handle {handle_id!r}: {e}") from e
+            if part.handle_id != handle_id:
+                part.close()
+                raise FormatError(f"{str(path)!r} belongs to handle {part.handle_id!r}, expected {handle_id!r}")
+            self.part = part
+        return self.part
+
+
+class Run:
+    """A recorded run: handles by id. Use as a context manager (or call :meth:`close`).
+
+    Attributes:
+        path: where the run was opened from.
+        manifests: the parsed manifests, one per rank.
+        meta: run metadata (of the lowest rank).
+        status: ``"open"``, ``"closed"``, ``"failed"`` (lowest rank's manifest).
+        ranks: ranks present (``[None]`` when not distributed).
+    """
+
+    def __init__(self, source: Any, where: str = ""):
+        self.source = source
+        self.path = where
+        self.manifests = list(source.manifests())
+        for i, m in enumerate(self.manifests):
+            check_manifest(m, f"{where} manifest #{i}")
+        self.manifests.sort(key=lambda m: -1 if m.get("rank") is None else m["rank"])
+        first = self.manifests[0] if self.manifests else {}
+        self.meta: dict[str, Any] = dict(first.get("meta") or {})
+        self.status: str = first.get("status", "unknown")
+        self.ranks: list[int | None] = [m.get("rank") for m in self.manifests]
+        self._entries: dict[str, list[tuple[dict, dict]]] = {}
+        for m in self.manifests:
+            for hid, entry in m["handles"].items():
+                self._entries.setdefault(hid, []).append((m, entry))
+        self._cache: dict[tuple[str, int | None], Handle] = {}
+
+    @property
+    def handles(self) -> list[str]:
+        """Handle ids, in the order they were added."""
+        return list(self._entries)
+
+    def __contains__(self, handle_id: object) -> bool:
+        return handle_id in self._entries
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __getitem__(self, handle_id: str) -> Handle:
+        return self.handle(handle_id)
+
+    def handle(self, handle_id: str, rank: int | None = None) -> Handle:
+        """The handle ``handle_id``: all ranks together (rank-major), or only ``rank``.
+
+        Raises:
+            UnknownNameError: unknown id (the message lists the available ones).
+        """
+        entries = self._entries.get(handle_id)
+        if entries is None:
+            raise UnknownNameError(f"unknown handle {handle_id!r} in run {self.path!r}; available: "
+                                   f"{_names_hint(self.handles)}")
+        if rank is not None:
+            entries = [(m, e) for m, e in entries if m.get("rank") == rank]
+            if not entries:
+                raise UnknownNameError(f"handle {handle_id!r} has no data of rank {rank!r}; ranks: "
+                                       f"{[m.get('rank') for m, _ in self._entries[handle_id]]}")
+        key = (handle_id, rank)
+        h = self._cache.get(key)
+        if h is None:
+            h = self._cache[key] = Handle(self, handle_id, entries)
+        return h
+
+    def close(self) -> None:
+        """Close every open file."""
+        for h in self._cache.values():
+            h._close()
+        self._cache.clear()
+
+    def __enter__(self) -> Run:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Run({self.path!r}, handles={len(self._entries)}, status={self.status!r})"
+
+
+class Handle:
+    """The records of one hook handle.
+
+    Attributes:
+        id: handle id (``"outputs[blocks.0]"``).
+        key: file key (``"outputs/blocks.0"``).
+        module_name, module_type, category, hook_fn_name: as registered.
+        meta: per-handle metadata dict.
+        manifest: the manifest entry (lowest rank).
+    """
+
+    def __init__(self, run: Run, handle_id: str, entries: list[tuple[dict, dict]]):
+        self.run = run
+        self.id = handle_id
+        m0, e0 = entries[0]
+        self.manifest: dict[str, Any] = e0
+        self.key: str = e0.get("key", "")
+        self.module_name: str = e0.get("module_name", "")
+        self.module_type: str = e0.get("module_type", "")
+        self.category: str = e0.get("category", "")
+        self.hook_fn_name: str = e0.get("hook_fn_name", "")
+        self.meta: dict[str, Any] = dict(e0.get("meta") or {})
+        self.gaps: list[tuple[int | None, int, int]] = []
+        self._refs: list[_Ref] = []
+        src = run.source
+        for m, e in entries:
+            rank = m.get("rank")
+            if hasattr(src, "discover"):
+                d = src.discover(e["key"], rank_suffix(rank, m.get("world_size")))
+                self.gaps.extend((rank, a, b) for a, b in d.gaps)
+                self._refs.extend(_Ref(src, f.name, rank) for f in d.cover)
+            elif e.get("records", 1) or e.get("file"):
+                self._refs.append(_Ref(src, e["file"], rank))
+        self._loaded = False
+        self._fields: dict[str, Field] = {}
+
+    # --- loading -------------------------------------------------------------------------------------
+    def _load(self) -> None:
+        if self._loaded:
+            return
+        parts = [r.open(self.id) for r in self._refs]
+        self._parts = parts
+        self._base = np.cumsum([0] + [p.n for p in parts])[:-1].astype(np.int64)
+        self._n = int(sum(p.n for p in parts))
+        names: list[str] = []
+        for p in parts:
+            for nm in p.field_names:
+                if nm not in names:
+                    names.append(nm)
+        self._names = names
+        self._loaded = True
+
+    def _close(self) -> None:
+        for r in self._refs:
+            if r.part is not None:
+                r.part.close()
+                r.part = None
+        self._loaded = False
+        self._fields.clear()
+        for attr in ("_steps", "_calls", "_ranks"):
+            self.__dict__.pop(attr, None)
+
+    @property
+    def fields(self) -> list[str]:
+        """Field names (e.g. ``["outputs.0", "grad_in.0"]``)."""
+        self._load()
+        return list(self._names)
+
+    def __len__(self) -> int:
+        """Number of records."""
+        self._load()
+        return self._n
+
+    @property
+    def steps(self) -> np.ndarray:
+        """int64 step of every record."""
+        if "_steps" not in self.__dict__:
+            self._load()
+            self.__dict__["_steps"] = (np.concatenate([p.steps for p in self._parts])
+                                       if self._parts else np.zeros(0, np.int64))
+        return self.__dict__["_steps"]
+
+    @property
+    def calls(self) -> np.ndarray:
+        """int64 call index (within its step) of every record."""
+        if "_calls" not in self.__dict__:
+            self._load()
+            self.__dict__["_calls"] = (np.concatenate([p.calls for p in self._parts])
+                                       if self._parts else np.zeros(0, np.int64))
+        return self.__dict__["_calls"]
+
+    @property
+    def ranks(self) -> np.ndarray:
+        """int64 rank of every record (-1 when not distributed)."""
+        if "_ranks" not in self.__dict__:
+            self._load()
+            self.__dict__["_ranks"] = np.concatenate(
+                [np.full(p.n, -1 if r.rank is None else r.rank, np.int64) for p, r in zip(self._parts, self._refs)]
+            ) if self._parts else np.zeros(0, np.int64)
+        return self.__dict__["_ranks"]
+
+    def __getitem__(self, name: str) -> Field:
+        f = self._fields.get(name)
+        if f is None:
+            self._load()
+            if name not in self._names:
+                raise UnknownNameError(f"unknown field {name!r} of handle {self.id!r}; available: "
+                                       f"{_names_hint(self._names)}")
+            f = self._fields[name] = Field(self, name)
+        return f
+
+    def __contains__(self, name: object) -> bool:
+        self._load()
+        return name in self._names
+
+    def __repr__(self) -> str:
+        return f"Handle({self.id!r}, module_type={self.module_type!r}, category={self.category!r})"
+
+
+class Field:
+    """One field of a handle: lazy, indexable by record (only records where it is present).
+
+    Attributes:
+        name: field name.
+        dtype_name: logical dtype (``"bfloat16"``...); same as :attr:`torch_dtype_name`.
+    """
+
+    def __init__(self, handle: Handle, name: str):
+        self.handle = handle
+        self.name = name
+        segs: list[tuple[int, PartField]] = []
+        for i, p in enumerate(handle._parts):
+            if name in p.field_names:
+                segs.append((i, p.field(name)))
+        self._segs = segs
+        names = {pf.dtype_name for _, pf in segs}
+        if len(names) != 1:
+            raise FormatError(f"field {name!r} of {handle.id!r} has inconsistent dtypes {sorted(names)}")
+        self.dtype_name: str = names.pop()
+        self._info = dtypes.info(self.dtype_name)
+        shapes = {pf.shape for _, pf in segs}
+        self._shape = shapes.pop() if len(shapes) == 1 else None
+        self._cum = np.cumsum([0] + [pf.count for _, pf in segs]).astype(np.int64)
+
+    # --- metadata -------------------------------------------------------------------------------------
+    @property
+    def dtype(self) -> np.dtype:
+        """numpy dtype of what reads return (bfloat16/float8 -> float32, complex32 -> complex64)."""
+        return self._info.read
+
+    @property
+    def torch_dtype_name(self) -> str:
+        """The exact torch dtype name (``torch.<name>``) of the recorded tensors."""
+        return self.dtype_name
+
+    @property
+    def shape(self) -> tuple[int, ...] | None:
+        """Per-record shape, or None when the shape varies between records (ragged)."""
+        return self._shape
+
+    @property
+    def ragged(self) -> bool:
+        """True when the per-record shape varies."""
+        return self._shape is None
+
+    def __len__(self) -> int:
+        return int(self._cum[-1])
+
+    @property
+    def records(self) -> np.ndarray:
+        """Handle record index (position in ``handle.steps``) of each of this field's entries."""
+        if "_records" not in self.__dict__:
+            h = self.handle
+            parts = [h._base[i] + (pf.records - h._parts[i].record_start) for i, pf in self._segs]
+            self.__dict__["_records"] = np.concatenate(parts) if parts else np.zeros(0, np.int64)
+        return self.__dict__["_records"]
+
+    @property
+    def steps(self) -> np.ndarray:
+        """Step of each entry of this field."""
+        return self.handle.steps[self.records]
+
+    @property
+    def calls(self) -> np.ndarray:
+        """Call index of each entry of this field."""
+        return self.handle.calls[self.records]
+
+    def record_shape(self, i: int) -> tuple[int, ...]:
+        """Shape of entry ``i`` (no data read)."""
+        s, j = self._locate(i)
+        return self._segs[s][1].record_shape(j)
+
+    # --- reading --------------------------------------------------------------------------------------
+    def _locate(self, i: int) -> tuple[int, int]:
+        n = len(self)
+        ii = int(i)
+        if ii < 0:
+            ii += n
+        if not 0 <= ii < n:
+            raise IndexError(f"record {i} out of range for field {self.name!r} with {n} records")
+        s = int(np.searchsorted(self._cum, ii, side="right")) - 1
+        return s, ii - int(self._cum[s])
+
+    def _stored(self, i: int) -> np.ndarray:
+        s, j = self._locate(i)
+        return self._segs[s][1].read_stored(j)
+
+    def __getitem__(self, index: int | slice) -> np.ndarray | list[np.ndarray]:
+        """``field[i]`` one record; ``field[a:b]`` records stacked on a new axis 0 (list if ragged)."""
+        if isinstance(index, slice):
+            return self._read_range(*index.indices(len(self)))
+        if isinstance(index, (int, np.integer)):
+            return dtypes.decode(self._stored(index), self.dtype_name)
+        raise InvalidArgumentError(f"field index must be an int or a slice, got {index!r}")
+
+    def __iter__(self) -> Iterator[np.ndarray]:
+        for i in range(len(self)):
+            yield self[i]
+
+    def read(self) -> np.ndarray | list[np.ndarray]:
+        """All records: stacked along a new axis 0, or a list of arrays when ragged."""
+        return self[:]
+
+    def _read_range(self, a: int, b: int, step: int = 1) -> np.ndarray | list[np.ndarray]:
+        if step != 1 or self._shape is None:
+            return self._gather(list(range(a, b, step)))
+        if b <= a:
+            return np.zeros((0, *self._shape), self.dtype)
+        blocks = []
+        for s, (_, pf) in enumerate(self._segs):
+            lo, hi = int(self._cum[s]), int(self._cum[s + 1])
+            x, y = max(a, lo), min(b, hi)
+            if x < y:
+                blocks.append(pf.read_block(x - lo, y - lo))
+        stored = blocks[0] if len(blocks) == 1 else np.concatenate(blocks)
+        return dtypes.decode(stored, self.dtype_name)
+
+    def _gather(self, idx: Sequence[int]) -> np.ndarray | list[np.ndarray]:
+        recs = [self[int(i)] for i in idx]
+        if self._shape is None:
+            return recs
+        if not recs:
+            return np.zeros((0, *self._shape), self.dtype)
+        return np.stack(recs)
+
+    def at_step(self, step: int) -> np.ndarray | list[np.ndarray]:
+        """The entries recorded at ``step`` (all calls, all ranks), stacked (a list if ragged)."""
+        return self._gather(np.flatnonzero(self.steps == step))
+
+    def norms(self) -> np.ndarray:
+        """float64 L2 norm of every entry (stored by the writer for float/complex fields; computed
+        by reading the data for int/bool fields)."""
+        out = []
+        for s, (_, pf) in enumerate(self._segs):
+            sn = pf.stored_norms
+            if sn is None:
+                lo = int(self._cum[s])
+                sn = np.array([float(np.linalg.norm(np.asarray(self._stored(lo + j), np.float64).ravel()))
+                               for j in range(pf.count)], dtype=np.float64)
+            out.append(sn)
+        return np.concatenate(out) if out else np.zeros(0, np.float64)
+
+    def to_torch(self, i: int) -> Any:
+        """Entry ``i`` as a torch tensor of the exact recorded dtype (imports torch)."""
+        return dtypes.to_torch(self._stored(i), self.dtype_name)
+
+    def __repr__(self) -> str:
+        return (f"Field({self.handle.id!r}/{self.name!r}, records={len(self)}, dtype={self.dtype_name}, "
+                f"shape={self._shape})")
+
+
+def open_run(path_or_uri: str | os.PathLike[str], *, tracking_uri: str | None = None,
+             cache_dir: str | os.PathLike[str] | None = None) -> Run:
+    """Open a recorded run for reading.
+
+    Args:
+        path_or_uri: a run directory (or its ``manifest*.json``); an MLflow URI ``runs:/<id>`` or
+            ``mlflow-artifacts:...``; or a bare 32-hex MLflow run id when ``tracking_uri`` is given
+            and no such local path exists.
+        tracking_uri: MLflow tracking URI for MLflow runs (default: MLflow's usual resolution).
+        cache_dir: where MLflow downloads are cached.
+
+    Returns:
+        The :class:`Run` (lazy: files open on first access).
+
+    Raises:
+        StorageError: no such directory.
+        FormatError: not a hookline run / unsupported version.
+
+    Example:
+        >>> run = open_run("runs/baseline")
+        >>> x = run["outputs[blocks.0]"]["outputs.0"][3]     # one record, numpy
+    """
+    s = os.fspath(path_or_uri)
+    if isinstance(s, bytes):
+        s = s.decode()
+    is_mlflow = s.startswith("runs:/") or s.startswith("mlflow-artifacts:")
+    if not is_mlflow and tracking_uri is not None and _RUN_ID.fullmatch(s) and not Path(s).exists():
+        is_mlflow = True
+    if is_mlflow:
+        from .mlflow_adapter import mlflow_source
+
+        return Run(mlflow_source(s, tracking_uri=tracking_uri, cache_dir=cache_dir), s)
+    p = Path(s)
+    if p.is_file() and _MANIFEST.fullmatch(p.name):
+        p = p.parent
+    if not p.is_dir():
+        raise StorageError(f"no run directory {s!r}: give the directory a RunWriter/Recorder wrote "
+                           f"(or runs:/<mlflow run id>)")
+    run = Run(LocalSource(p), s)
+    if not run.manifests:
+        raise FormatError(f"{s!r} holds no hookline manifest and no hookline .h5 files")
+    return run

@@ -1,0 +1,1096 @@
+"""The buffered background writer: :class:`RunWriter` (design in docs/storage.md).
+
+The training thread calls :meth:`RunWriter.write`, which only validates, accounts the bytes
+against ``max_buffer_mb`` and appends to an in-memory queue (microseconds, no HDF5 call). One
+background thread stages records per field and writes whole chunks; h5py releases the GIL inside
+HDF5 calls, so the training thread keeps running. Records go into *segment* files that are closed
+and renamed (``.h5seg.partial`` -> ``.h5seg``) at every :meth:`flush`, so a SIGKILL never leaves
+a flushed record in a file that may not open. A second thread compacts sealed segments; a clean
+:meth:`close` merges them into one ``<key>.h5`` per handle.
+"""
+
+from __future__ import annotations
+
+import errno as _errno
+import fnmatch
+import json
+import math
+import operator
+import os
+import re
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, Union
+
+import numpy as np
+
+from . import dtypes
+from ._h5file import FieldSpec, HandleFileWriter, Part, compression_kwargs, merge_parts, open_part
+from ._segments import discover_files
+from .errors import (
+    HookTypeError,
+    InvalidArgumentError,
+    StorageError,
+    UnknownNameError,
+    WriterClosedError,
+)
+from .format import (
+    FORMAT_VERSION,
+    RUN_FORMAT,
+    atomic_write_json,
+    check_field_name,
+    final_name,
+    fsync_dir,
+    fsync_file,
+    hookline_version,
+    manifest_name,
+    now_iso,
+    partial_segment_name,
+    rank_suffix,
+    read_manifest,
+    segment_name,
+)
+from .keys import handle_key
+
+__all__ = ["RunWriter", "WriterStats", "HandleStats"]
+
+FieldValue = Union[np.ndarray, "tuple[np.ndarray, str]"]
+
+_POLICIES = ("block", "drop")
+#: Largest block assembled in memory for one write (bounds the scratch buffer).
+_PIECE_BYTES = 8 << 20
+#: Merge this many similar-sized trailing segments into one (compaction fan-in).
+COMPACT_FANIN = 8
+
+
+@dataclass
+class HandleStats:
+    """Counters of one handle.
+
+    Attributes:
+        records: records accepted by :meth:`RunWriter.write` (queued or on disk).
+        bytes: field bytes of those records.
+        dropped: records dropped by policy ``"drop"``.
+        flushed: records durably on disk (sealed by a flush / auto-flush / close).
+    """
+
+    records: int = 0
+    bytes: int = 0
+    dropped: int = 0
+    flushed: int = 0
+
+
+@dataclass
+class WriterStats:
+    """What a :class:`RunWriter` did; returned by :meth:`RunWriter.close` and :meth:`RunWriter.stats`.
+
+    Attributes:
+        handles: per handle id counters.
+        peak_buffer_bytes: largest amount of accepted-but-not-written data held in memory.
+        max_buffer_bytes: the budget (``max_buffer_mb``).
+        blocked_seconds: total time ``write()`` waited for buffer space (policy ``"block"``).
+        error: the background error message, if the writer failed.
+    """
+
+    handles: dict[str, HandleStats] = field(default_factory=dict)
+    peak_buffer_bytes: int = 0
+    max_buffer_bytes: int = 0
+    blocked_seconds: float = 0.0
+    error: str | None = None
+
+    @property
+    def records(self) -> int:
+        """Total accepted records."""
+        return sum(h.records for h in self.handles.values())
+
+    @property
+    def bytes(self) -> int:
+        """Total accepted field bytes."""
+        return sum(h.bytes for h in self.handles.values())
+
+    @property
+    def dropped(self) -> int:
+        """Total dropped records."""
+        return sum(h.dropped for h in self.handles.values())
+
+    def __str__(self) -> str:
+        return (f"WriterStats(handles={len(self.handles)}, records={self.records}, bytes={self.bytes}, "
+                f"dropped={self.dropped}, peak_buffer_bytes={self.peak_buffer_bytes}"
+                + (f", error={self.error!r}" if self.error else "") + ")")
+
+
+@dataclass
+class _Seg:
+    start: int
+    end: int
+    path: Path
+    nbytes: int
+
+
+class _StagedField:
+    """A field's records in the open segment that are not yet written to HDF5."""
+
+    __slots__ = ("spec", "out", "arrays", "staged_items", "staged_bytes", "written_items",
+                 "records", "norms", "offsets", "shapes", "item_bytes", "chunk_items")
+
+    def __init__(self, spec: FieldSpec):
+        self.spec = spec
+        self.out = None
+        self.arrays: list[np.ndarray] = []
+        self.staged_items = 0  # records (fixed) or elements (ragged) staged
+        self.staged_bytes = 0
+        self.written_items = 0
+        self.records: list[int] = []
+        self.norms: list[float] = []
+        self.offsets: list[int] = []
+        self.shapes: list[tuple[int, ...]] = []
+        st = spec.info.storage
+        self.item_bytes = st.itemsize if spec.ragged else st.itemsize * math.prod(spec.shape)
+        self.chunk_items = 0  # known once the dataset exists
+
+
+class _OpenSeg:
+    """The segment file currently written for one handle."""
+
+    def __init__(self, start: int, partial: Path, writer: HandleFileWriter):
+        self.start = start
+        self.partial = partial
+        self.writer = writer
+        self.steps: list[int] = []
+        self.calls: list[int] = []
+        self.fields: dict[str, _StagedField] = {}
+
+
+class _Handle:
+    def __init__(self, handle_id: str, key: str, suffix: str, info: dict[str, Any]):
+        self.id = handle_id
+        self.key = key
+        self.suffix = suffix
+        self.info = info
+        # caller-thread validation caches
+        self.known: set[str] = set()
+        self.field_dtype: dict[str, str] = {}
+        self.field_ndim: dict[str, int] = {}
+        self.stats = HandleStats()
+        # writer-thread state
+        self.started = False
+        self.next_record = 0
+        self.base: list[Path] = []  # complete files found at start (resumed run)
+        self.sealed: list[_Seg] = []
+        self.seg: _OpenSeg | None = None
+        self.shapes: dict[str, tuple[int, ...]] = {}
+        self.ragged: set[str] = set()
+        self.steps_min: int | None = None
+        self.steps_max: int | None = None
+        self.written_bytes = 0
+        self.final_done = False
+
+
+class _Event:
+    def __init__(self) -> None:
+        self.ev = threading.Event()
+        self.error: BaseException | None = None
+
+
+_ERRNO_RE = re.compile(r"errno\s*=\s*(\d+)")
+
+
+def _errno_of(e: BaseException) -> int | None:
+    n = getattr(e, "errno", None)
+    if isinstance(n, int):
+        return n
+    m = _ERRNO_RE.search(str(e))
+    return int(m[1]) if m else None
+
+
+class RunWriter:
+    """Buffered background writer of one run directory (one rank).
+
+    Args:
+        run_dir: the run directory (created if missing). An existing run written by hookline is
+            continued: new records of a handle are appended after the ones on disk.
+        max_buffer_mb: memory budget for everything accepted by :meth:`write` but not yet written.
+            A single record larger than the budget is accepted when nothing else is buffered.
+        policy: ``"block"`` (``write`` waits for space) or ``"drop"`` (``write`` drops the record,
+            returns False; counted per handle in the stats and the manifest).
+        compression: ``None`` (default; measured no win for typical float data, see docs/storage.md),
+            ``"gzip"``/``"gzip-<level>"``, ``"lzf"``, ``"zstd"``/``"zstd-<level>"``, ``"lz4"``, or
+            a mapping from field-name glob pattern to one of those (first match wins).
+        rank: this process's rank (``None`` when not distributed).
+        world_size: number of ranks; with ``world_size > 1`` file names carry ``.rank<r>``.
+        meta: JSON-serialisable run metadata (stored in the manifest and every file).
+        autoflush_s: seal open segments (like :meth:`flush`, without waiting) when this many
+            seconds passed since the last flush, bounding what a crash can lose; None disables.
+        merge_on_close: merge each handle's segments into one ``<key>.h5`` at :meth:`close`.
+            With False, segments stay (readable by ``open_run``; ``verify(repair=True)`` merges).
+        fsync: fsync files and directories at flush/close (power-loss durability).
+
+    Example:
+        >>> w = RunWriter("runs/a", max_buffer_mb=256)
+        >>> w.add_handle("outputs[fc]", module_name="fc", module_type="torch.nn.Linear",
+        ...              category="forward_hook", hook_fn_name="outputs")
+        >>> w.write("outputs[fc]", 0, 0, {"outputs.0": np.ones((4, 8), np.float32)})
+        True
+        >>> stats = w.close()
+    """
+
+    #: Test hook: seconds slept per MiB written by the background thread (simulates a slow disk).
+    test_delay_s_per_mb: float = 0.0
+
+    def __init__(
+        self,
+        run_dir: str | os.PathLike[str],
+        *,
+        max_buffer_mb: float = 512,
+        policy: str = "block",
+        compression: str | Mapping[str, str | None] | None = None,
+        rank: int | None = None,
+        world_size: int | None = None,
+        meta: Mapping[str, Any] | None = None,
+        autoflush_s: float | None = 300.0,
+        merge_on_close: bool = True,
+        fsync: bool = True,
+    ) -> None:
+        if policy not in _POLICIES:
+            raise InvalidArgumentError(f"policy must be 'block' or 'drop', got {policy!r}")
+        if isinstance(max_buffer_mb, bool) or not isinstance(max_buffer_mb, (int, float)) or not max_buffer_mb > 0:
+            raise InvalidArgumentError(f"max_buffer_mb must be a positive number, got {max_buffer_mb!r}")
+        if world_size is not None and (not isinstance(world_size, int) or world_size < 1):
+            raise InvalidArgumentError(f"world_size must be a positive int or None, got {world_size!r}")
+        if rank is not None and (not isinstance(rank, int) or rank < 0 or (world_size and rank >= world_size)):
+            raise InvalidArgumentError(f"rank must be an int in [0, world_size), got {rank!r}")
+        self._compression = self._check_compression(compression)
+        self.run_dir = Path(run_dir)
+        try:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise StorageError(f"cannot create run directory {str(self.run_dir)!r}: {e}") from e
+        self.rank, self.world_size = rank, world_size
+        self.policy = policy
+        self.max_buffer_bytes = int(max_buffer_mb * (1 << 20))
+        self.meta = dict(meta or {})
+        self.autoflush_s = autoflush_s
+        self.merge_on_close = merge_on_close
+        self.fsync = fsync
+        self._suffix = rank_suffix(rank, world_size)
+        self._manifest_path = self.run_dir / manifest_name(rank, world_size)
+        self._created = now_iso()
+        self._old_handles: dict[str, Any] = {}
+        if self._manifest_path.exists():
+            try:
+                old = read_manifest(self._manifest_path)
+                self._created = old.get("created", self._created)
+                self._old_handles = dict(old.get("handles", {}))
+            except Exception:
+                pass  # verify() reports broken manifests; we rewrite it
+        self._handles: dict[str, _Handle] = {}
+        self._order: list[str] = []
+        self._cond = threading.Condition()
+        self._queue: deque[tuple] = deque()
+        self._pending = 0
+        self._stats = WriterStats(max_buffer_bytes=self.max_buffer_bytes)
+        self._waiting = 0
+        self._error: StorageError | None = None
+        self._error_raised_by_close = False
+        self._closed = False
+        self._closing = False
+        self._close_stats: WriterStats | None = None
+        self._current_path: Path | None = None
+        self._scratch = np.empty(0, np.uint8)
+        self._comp_cache: dict[str, str | None] = {}
+        self._last_flush = time.monotonic()
+        # compaction thread
+        self._seg_lock = threading.Lock()
+        self._compact_cond = threading.Condition()
+        self._compact_wanted = False
+        self._compact_stop = False
+        self._compact_error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name=f"hookline-writer[{self.run_dir.name}]", daemon=True)
+        self._thread.start()
+        self._compactor = threading.Thread(target=self._compact_loop, name="hookline-compactor", daemon=True)
+        self._compactor.start()
+
+    # --- configuration ----------------------------------------------------------------------------
+    @staticmethod
+    def _check_compression(c: Any) -> Any:
+        specs = c.values() if isinstance(c, Mapping) else [c]
+        for s in specs:
+            if s is not None and not isinstance(s, str):
+                raise InvalidArgumentError(f"compression must be None, a string or a mapping, got {s!r}")
+            compression_kwargs(s)  # raises for unknown names / missing hdf5plugin
+        return dict(c) if isinstance(c, Mapping) else c
+
+    def _compression_for(self, name: str) -> str | None:
+        try:
+            return self._comp_cache[name]
+        except KeyError:
+            pass
+        c = self._compression
+        if isinstance(c, dict):
+            spec = next((v for pat, v in c.items() if fnmatch.fnmatchcase(name, pat)), None)
+        else:
+            spec = c
+        self._comp_cache[name] = spec
+        return spec
+
+    def add_handle(
+        self,
+        handle_id: str,
+        *,
+        module_name: str = "",
+        module_type: str = "",
+        category: str = "",
+        hook_fn_name: str = "",
+        meta: Mapping[str, Any] | None = None,
+    ) -> None:
+        """Declare a handle (idempotent for the same id: later calls are ignored).
+
+        Args:
+            handle_id: the hook handle id, e.g. ``"outputs[blocks.0]"``.
+            module_name: qualified module name.
+            module_type: module class, e.g. ``"torch.nn.modules.linear.Linear"``.
+            category: ``"forward_hook"``, ``"forward_pre_hook"`` or ``"backward_hook"``.
+            hook_fn_name: the hook function's name.
+            meta: JSON-serialisable per-handle metadata.
+        """
+        self._check_open()
+        key = handle_key(handle_id)
+        with self._cond:
+            if handle_id in self._handles:
+                return
+            info = {"module_name": str(module_name), "module_type": str(module_type),
+                    "category": str(category), "hook_fn_name": str(hook_fn_name), "meta": dict(meta or {})}
+            try:
+                json.dumps(info["meta"])
+            except (TypeError, ValueError) as e:
+                raise HookTypeError(f"meta of handle {handle_id!r} is not JSON-serialisable: {e}") from None
+            h = _Handle(handle_id, key, self._suffix, info)
+            self._handles[handle_id] = h
+            self._order.append(handle_id)
+            self._stats.handles[handle_id] = h.stats
+            self._queue.append(("handle", h))
+            self._cond.notify_all()
+
+    # --- hot path -----------------------------------------------------------------------------------
+    def write(self, handle_id: str, step: int, call: int, fields: Mapping[str, FieldValue]) -> bool:
+        """Queue one record; returns in microseconds, never touches HDF5 on the calling thread.
+
+        Args:
+            handle_id: a handle declared with :meth:`add_handle`.
+            step: training step (int).
+            call: call index of the module within the step (int).
+            fields: field name -> numpy array, or ``(raw_bits, dtype_name)`` for bfloat16 /
+                float8 / complex32. The writer takes ownership: do not modify the arrays later.
+                Missing fields (e.g. a None gradient) are simply absent.
+
+        Returns:
+            True if queued; False if policy ``"drop"`` dropped it (counted).
+
+        Raises:
+            WriterClosedError: after :meth:`close`.
+            StorageError: the background thread failed earlier (full disk, I/O error).
+            UnknownNameError, InvalidArgumentError, HookTypeError: bad arguments.
+        """
+        if self._closed or self._closing:
+            raise WriterClosedError(f"RunWriter for {str(self.run_dir)!r} is closed; create a new writer")
+        if self._error is not None:
+            raise self._error
+        h = self._handles.get(handle_id)
+        if h is None:
+            raise UnknownNameError(
+                f"unknown handle {handle_id!r}: call add_handle() first (known: {sorted(self._handles)[:20]})")
+        step = int(operator.index(step))
+        call = int(operator.index(call))
+        norm_fields: dict[str, tuple[np.ndarray, str]] = {}
+        nbytes = 0
+        for name, v in fields.items():
+            if type(v) is tuple:
+                if len(v) != 2:
+                    raise HookTypeError(f"field {name!r}: expected (raw_bits, dtype_name), got a {len(v)}-tuple")
+                arr, dn = v
+                inf = dtypes._INFO.get(dn) if isinstance(dn, str) else None
+                if inf is None or not inf.is_bits:
+                    raise InvalidArgumentError(
+                        f"field {name!r}: dtype name {dn!r} is not a raw-bits dtype; use one of {dtypes.BITS_NAMES}")
+                if not isinstance(arr, np.ndarray) or arr.dtype.itemsize != inf.storage.itemsize or arr.dtype.kind not in "iu":
+                    raise HookTypeError(
+                        f"field {name!r}: {dn} bits must be a numpy {inf.storage} array, got "
+                        f"{getattr(arr, 'dtype', type(arr).__name__)}")
+            elif isinstance(v, np.ndarray):
+                arr = v
+                dn = dtypes._BY_NUMPY.get(arr.dtype) or dtypes.native_name(arr.dtype)
+            else:
+                raise HookTypeError(
+                    f"field {name!r}: value must be a numpy array or (raw_bits, dtype_name), got {type(v).__name__}")
+            if name not in h.known:
+                check_field_name(name)
+                with self._cond:
+                    h.field_dtype.setdefault(name, dn)
+                    h.field_ndim.setdefault(name, arr.ndim)
+                    h.known.add(name)
+            if h.field_dtype[name] != dn:
+                raise InvalidArgumentError(
+                    f"field {name!r} of {handle_id!r} changed dtype from {h.field_dtype[name]} to {dn}; "
+                    f"a field keeps one dtype (use another field name)")
+            if h.field_ndim[name] != arr.ndim:
+                raise InvalidArgumentError(
+                    f"field {name!r} of {handle_id!r} changed ndim from {h.field_ndim[name]} to {arr.ndim} "
+                    f"(shape {arr.shape}); a field keeps its number of dimensions")
+            norm_fields[name] = (arr, dn)
+            nbytes += arr.nbytes
+        with self._cond:
+            if self._error is not None:
+                raise self._error
+            if self._pending and self._pending + nbytes > self.max_buffer_bytes:
+                if self.policy == "drop":
+                    h.stats.dropped += 1
+                    return False
+                t0 = time.monotonic()
+                self._waiting += 1
+                self._cond.notify_all()
+                try:
+                    while self._pending and self._pending + nbytes > self.max_buffer_bytes:
+                        if self._error is not None:
+                            raise self._error
+                        if not self._thread.is_alive():
+                            raise StorageError(f"the writer thread of {str(self.run_dir)!r} died")
+                        self._cond.wait(0.5)
+                finally:
+                    self._waiting -= 1
+                    self._stats.blocked_seconds += time.monotonic() - t0
+                if self._closed or self._closing:
+                    raise WriterClosedError(f"RunWriter for {str(self.run_dir)!r} was closed while write() waited")
+            self._pending += nbytes
+            if self._pending > self._stats.peak_buffer_bytes:
+                self._stats.peak_buffer_bytes = self._pending
+            h.stats.records += 1
+            h.stats.bytes += nbytes
+            self._queue.append(("rec", h, step, call, norm_fields, nbytes))
+            if len(self._queue) == 1:
+                self._cond.notify_all()
+        return True
+
+    # --- control ------------------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed or self._closing:
+            raise WriterClosedError(f"RunWriter for {str(self.run_dir)!r} is closed; create a new writer")
+
+    def raise_if_failed(self) -> None:
+        """Raise the background :class:`StorageError` if the writer failed (cheap, no I/O)."""
+        if self._error is not None:
+            raise self._error
+
+    def _submit_and_wait(self, kind: str) -> None:
+        ev = _Event()
+        with self._cond:
+            self._queue.append((kind, ev))
+            self._cond.notify_all()
+        while not ev.ev.wait(0.5):
+            if not self._thread.is_alive():
+                raise self._error or StorageError(f"the writer thread of {str(self.run_dir)!r} died")
+        if ev.error is not None:
+            raise ev.error
+
+    def flush(self) -> None:
+        """Block until every record written so far is on disk, fsynced, and readable after a crash.
+
+        Raises:
+            WriterClosedError: after :meth:`close`.
+            StorageError: a background write failed (records flushed before stay readable).
+        """
+        self._check_open()
+        if self._error is not None:
+            raise self._error
+        self._submit_and_wait("flush")
+
+    def stats(self) -> WriterStats:
+        """A snapshot of the counters."""
+        with self._cond:
+            s = WriterStats(
+                handles={k: HandleStats(**vars(v)) for k, v in self._stats.handles.items()},
+                peak_buffer_bytes=self._stats.peak_buffer_bytes,
+                max_buffer_bytes=self.max_buffer_bytes,
+                blocked_seconds=self._stats.blocked_seconds,
+                error=str(self._error) if self._error else None,
+            )
+        return s
+
+    def close(self) -> WriterStats:
+        """Flush, merge each handle's segments into ``<key>.h5``, write the manifest; idempotent.
+
+        Returns:
+            The final :class:`WriterStats`.
+
+        Raises:
+            StorageError: if the background thread failed (raised by the first ``close`` only;
+                everything flushed before the failure stays readable).
+        """
+        with self._cond:
+            first = not (self._closed or self._closing)
+            self._closing = True
+        if first:
+            try:
+                self._submit_and_wait("close")
+            except StorageError:
+                pass
+            finally:
+                self._thread.join(timeout=60)
+                self._closed = True
+                self._close_stats = self.stats()
+        else:
+            while not self._closed:
+                time.sleep(0.01)
+        if self._error is not None and not self._error_raised_by_close:
+            self._error_raised_by_close = True
+            raise self._error
+        return self._close_stats or self.stats()
+
+    def __enter__(self) -> RunWriter:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __del__(self) -> None:  # pragma: no cover - best effort at interpreter exit
+        try:
+            if not self._closed and not self._closing and self._thread.is_alive():
+                self.close()
+        except Exception:
+            pass
+
+    # --- background thread ----------------------------------------------------------------------------
+    def _release(self, nbytes: int) -> None:
+        if nbytes:
+            with self._cond:
+                self._pending -= nbytes
+                self._cond.notify_all()
+
+    def _fail(self, e: BaseException) -> None:
+        if isinstance(e, StorageError):
+            err = e
+        else:
+            n = _errno_of(e)
+            where = f" writing {str(self._current_path)!r}" if self._current_path else f" in {str(self.run_dir)!r}"
+            code = f" [errno {n} {_errno.errorcode.get(n, '?')}: {os.strerror(n)}]" if n else ""
+            err = StorageError(
+                f"hookline writer failed{where}{code}: {type(e).__name__}: {e}. Records flushed before this "
+                f"error are safe; free disk space / fix the device and start a new writer",
+            )
+            if n:
+                err.errno = n
+            err.__cause__ = e
+        with self._cond:
+            if self._error is None:
+                self._error = err
+            self._cond.notify_all()
+
+    def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as e:  # pragma: no cover - defensive: never leave callers hanging
+            self._fail(e)
+            with self._cond:
+                for it in self._queue:
+                    if it[0] in ("flush", "close"):
+                        it[1].error = self._error
+                        it[1].ev.set()
+                self._queue.clear()
+                self._pending = 0
+                self._cond.notify_all()
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue:
+                    timeout = None
+                    if self.autoflush_s is not None:
+                        timeout = max(0.0, self._last_flush + self.autoflush_s - time.monotonic())
+                        if timeout == 0.0:
+                            break
+                    if self._waiting and self._staged_total() > 0:
+                        break
+                    self._cond.wait(timeout)
+                items = list(self._queue)
+                self._queue.clear()
+            for it in items:
+                kind = it[0]
+                if self._error is not None:
+                    if kind == "rec":
+                        self._release(it[5])
+                    elif kind in ("flush", "close"):
+                        if kind == "close":
+                            self._abort_all()
+                        it[1].error = self._error
+                        it[1].ev.set()
+                        if kind == "close":
+                            return
+                    continue
+                try:
+                    if kind == "rec":
+                        self._stage(*it[1:])
+                    elif kind == "handle":
+                        self._start_handle(it[1])
+                    elif kind == "flush":
+                        self._flush_all(fsync=self.fsync)
+                        it[1].ev.set()
+                    elif kind == "close":
+                        self._close_all()
+                        it[1].ev.set()
+                        return
+                except BaseException as e:
+                    self._fail(e)
+                    if kind in ("flush", "close"):
+                        if kind == "close":
+                            self._abort_all()
+                        it[1].error = self._error
+                        it[1].ev.set()
+                        if kind == "close":
+                            return
+            if self._error is not None:
+                continue
+            try:
+                if self._manifest_dirty():
+                    self._write_manifest("open")
+                if self.autoflush_s is not None and time.monotonic() - self._last_flush >= self.autoflush_s:
+                    self._flush_all(fsync=self.fsync)
+                self._relieve_memory()
+            except BaseException as e:
+                self._fail(e)
+
+    # --- staging and writing ----------------------------------------------------------------------------
+    _dirty = False
+
+    def _manifest_dirty(self) -> bool:
+        return self._dirty
+
+    def _start_handle(self, h: _Handle) -> None:
+        """Find data of this handle already on disk (continued run) and record where to append."""
+        h.started = True
+        parts = discover_files(self.run_dir, h.key, h.suffix)
+        for rel in parts.cover:
+            path = self.run_dir / rel.name
+            if rel.kind == "final":
+                h.base.append(path)
+            else:
+                h.sealed.append(_Seg(rel.start, rel.end, path, path.stat().st_size))
+        h.next_record = parts.end
+        h.stats.flushed = parts.end
+        self._dirty = True
+
+    def _open_segment(self, h: _Handle) -> _OpenSeg:
+        rel = partial_segment_name(h.key, h.suffix, h.next_record)
+        path = self.run_dir / rel
+        self._current_path = path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        attrs = self._file_attrs(h)
+        seg = _OpenSeg(h.next_record, path, HandleFileWriter(path, attrs, h.next_record))
+        h.seg = seg
+        return seg
+
+    def _file_attrs(self, h: _Handle) -> dict[str, Any]:
+        i = h.info
+        return {
+            "handle_id": h.id, "key": h.key, "module_name": i["module_name"], "module_type": i["module_type"],
+            "category": i["category"], "hook_fn_name": i["hook_fn_name"],
+            "rank": np.int64(-1 if self.rank is None else self.rank),
+            "world_size": np.int64(-1 if self.world_size is None else self.world_size),
+            "hookline_version": hookline_version(), "meta": json.dumps(i["meta"]),
+            "run_meta": json.dumps(self.meta, default=str), "created": now_iso(),
+        }
+
+    def _stage(self, h: _Handle, step: int, call: int, fields: dict[str, tuple[np.ndarray, str]], nbytes: int) -> None:
+        seg = h.seg
+        # Shape changes: a field becomes ragged for good. If this segment already holds it as a
+        # fixed-shape dataset, seal the segment first (merges rewrite the field ragged).
+        need_seal = False
+        for name, (arr, _) in fields.items():
+            if name in h.ragged:
+                continue
+            known = h.shapes.get(name)
+            if known is None:
+                h.shapes[name] = arr.shape
+                if 0 in arr.shape:
+                    h.ragged.add(name)
+            elif known != arr.shape:
+                h.ragged.add(name)
+                if seg is not None and name in seg.fields and not seg.fields[name].spec.ragged:
+                    need_seal = True
+        if need_seal:
+            self._seal(h, fsync=False)
+            seg = None
+        if seg is None:
+            seg = self._open_segment(h)
+        rec = h.next_record
+        h.next_record += 1
+        seg.steps.append(step)
+        seg.calls.append(call)
+        h.steps_min = step if h.steps_min is None else min(h.steps_min, step)
+        h.steps_max = step if h.steps_max is None else max(h.steps_max, step)
+        for name, (arr, dn) in fields.items():
+            sf = seg.fields.get(name)
+            if sf is None:
+                spec = FieldSpec(name, dn, name in h.ragged, arr.shape, self._compression_for(name))
+                sf = seg.fields[name] = _StagedField(spec)
+            if not arr.flags.c_contiguous or not arr.dtype.isnative:
+                arr = np.ascontiguousarray(arr, dtype=arr.dtype.newbyteorder("="))
+            if sf.spec.info.storage != arr.dtype:
+                arr = arr.view(sf.spec.info.storage)  # signed bits -> unsigned storage, same width
+            sf.records.append(rec)
+            if sf.spec.info.has_norm:
+                sf.norms.append(_l2(arr, dn))
+            if sf.spec.ragged:
+                sf.offsets.append(sf.written_items + sf.staged_items)
+                sf.shapes.append(arr.shape)
+                flat = arr.reshape(-1)
+                sf.arrays.append(flat)
+                sf.staged_items += flat.size
+            else:
+                sf.arrays.append(arr)
+                sf.staged_items += 1
+            sf.staged_bytes += arr.nbytes
+            if sf.out is None:
+                if sf.staged_bytes >= (1 << 20) or (not sf.spec.ragged and sf.staged_items >= 1 << 16):
+                    self._write_out(seg, sf, full_only=True)
+            elif sf.written_items % sf.chunk_items + sf.staged_items >= sf.chunk_items:
+                self._write_out(seg, sf, full_only=True)
+        h.written_bytes += nbytes
+
+    def _ensure_out(self, seg: _OpenSeg, sf: _StagedField) -> None:
+        if sf.out is None:
+            # Size chunks for what is staged, but not below 64 KiB (a small first flush must not
+            # leave the rest of the segment with tiny chunks).
+            floor = max(1, (64 << 10) // max(1, sf.item_bytes))
+            sf.out = seg.writer.field(sf.spec, max(sf.staged_items, floor))
+            sf.chunk_items = sf.out.chunk[0]
+
+    def _scratch_view(self, nbytes: int, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
+        if self._scratch.nbytes < nbytes:
+            self._scratch = np.empty(max(nbytes, 2 * self._scratch.nbytes), np.uint8)
+        return self._scratch[:nbytes].view(dtype).reshape(shape)
+
+    def _write_out(self, seg: _OpenSeg, sf: _StagedField, full_only: bool) -> None:
+        """Write staged items of one field: up to the last chunk boundary (``full_only``) or all."""
+        if not sf.staged_items:
+            return
+        self._ensure_out(seg, sf)
+        c = sf.chunk_items
+        if full_only:
+            k = ((sf.written_items + sf.staged_items) // c) * c - sf.written_items
+            if k <= 0:
+                return
+        else:
+            k = sf.staged_items
+        piece = max(c, _PIECE_BYTES // max(1, sf.item_bytes))
+        while k > piece:
+            self._write_items(seg, sf, piece)
+            k -= piece
+        self._write_items(seg, sf, k)
+
+    def _write_items(self, seg: _OpenSeg, sf: _StagedField, k: int) -> None:
+        """Write the first ``k`` staged items of a field (one resize + one write / direct chunks)."""
+        spec = sf.spec
+        st = spec.info.storage
+        self._current_path = seg.partial
+        released = 0
+        if not spec.ragged:
+            if k == 1 and len(sf.arrays) >= 1:
+                block = sf.arrays[0][None]
+            else:
+                block = self._scratch_view(k * sf.item_bytes, st, (k, *spec.shape))
+                for i in range(k):
+                    block[i] = sf.arrays[i]
+            sf.out.append(block)
+            del sf.arrays[:k]
+            released = k * sf.item_bytes
+        else:
+            block = self._scratch_view(k * st.itemsize, st, (k,))
+            pos = 0
+            while pos < k:
+                a = sf.arrays[0]
+                take = min(a.size, k - pos)
+                block[pos : pos + take] = a[:take]
+                pos += take
+                if take == a.size:
+                    sf.arrays.pop(0)
+                else:
+                    sf.arrays[0] = a[take:]
+            sf.out.append(block)
+            released = k * st.itemsize
+        sf.staged_items -= k
+        sf.written_items += k
+        sf.staged_bytes -= released
+        if self.test_delay_s_per_mb:
+            time.sleep(self.test_delay_s_per_mb * released / (1 << 20))
+        self._release(released)
+
+    def _staged_total(self) -> int:
+        total = 0
+        for h in self._handles.values():
+            if h.seg is not None:
+                total += sum(sf.staged_bytes for sf in h.seg.fields.values())
+        return total
+
+    def _relieve_memory(self) -> None:
+        """Write partial chunks when staged data would starve the budget (or a caller waits)."""
+        limit = self.max_buffer_bytes // 2
+        with self._cond:
+            waiting = self._waiting
+        staged = [(sf.staged_bytes, h, sf) for h in self._handles.values() if h.seg is not None
+                  for sf in h.seg.fields.values() if sf.staged_bytes]
+        total = sum(s[0] for s in staged)
+        if not waiting and total <= limit:
+            return
+        staged.sort(key=lambda s: -s[0])
+        for nb, h, sf in staged:
+            if total <= limit // 2 and not waiting:
+                break
+            self._write_out(h.seg, sf, full_only=False)
+            total -= nb
+
+    def _seal(self, h: _Handle, fsync: bool) -> None:
+        """Write everything staged of ``h``'s open segment, close it and rename it to ``.h5seg``."""
+        seg = h.seg
+        if seg is None:
+            return
+        self._current_path = seg.partial
+        w = seg.writer
+        for sf in seg.fields.values():
+            self._write_out(seg, sf, full_only=False)
+            self._ensure_out(seg, sf)
+            out = sf.out
+            out.records.append(np.asarray(sf.records, np.int64))
+            if sf.spec.info.has_norm:
+                out.norms.append(np.asarray(sf.norms, np.float64))
+            if sf.spec.ragged:
+                out.offsets.append(np.asarray(sf.offsets, np.int64))
+                out.shapes.append(np.asarray(sf.shapes, np.int64).reshape(len(sf.shapes), sf.spec.ndim))
+        w.add_index(np.asarray(seg.steps, np.int64), np.asarray(seg.calls, np.int64))
+        w.finish()
+        end = seg.start + len(seg.steps)
+        final = self.run_dir / segment_name(h.key, h.suffix, seg.start, end)
+        if fsync:
+            fsync_file(seg.partial)
+        os.replace(seg.partial, final)
+        if fsync:
+            fsync_dir(final.parent)
+        h.seg = None
+        with self._seg_lock:
+            h.sealed.append(_Seg(seg.start, end, final, final.stat().st_size))
+        h.stats.flushed = end
+        self._current_path = None
+
+    def _flush_all(self, fsync: bool) -> None:
+        for h in list(self._handles.values()):
+            if h.seg is not None:
+                self._seal(h, fsync)
+        self._write_manifest("open")
+        self._last_flush = time.monotonic()
+        with self._compact_cond:
+            self._compact_wanted = True
+            self._compact_cond.notify_all()
+        if self._compact_error is not None:
+            e, self._compact_error = self._compact_error, None
+            raise e
+
+    def _abort_all(self) -> None:
+        for h in self._handles.values():
+            if h.seg is not None:
+                h.seg.writer.abort()
+                h.seg = None
+        self._stop_compactor()
+        try:
+            self._write_manifest("failed")
+        except Exception:
+            pass
+
+    def _stop_compactor(self) -> None:
+        with self._compact_cond:
+            self._compact_stop = True
+            self._compact_cond.notify_all()
+        self._compactor.join()
+
+    def _close_all(self) -> None:
+        self._flush_all(fsync=self.fsync)
+        self._stop_compactor()
+        if self._compact_error is not None:
+            raise self._compact_error
+        if self.merge_on_close:
+            for h in self._handles.values():
+                self._finalize(h)
+        self._write_manifest("closed")
+
+    def _finalize(self, h: _Handle) -> None:
+        """Merge a handle's complete files into ``<key>.h5`` (rename when there is one segment)."""
+        final = self.run_dir / final_name(h.key, h.suffix)
+        self._current_path = final
+        segs = list(h.sealed)
+        if not segs and h.base:
+            return  # nothing new since the run was continued
+        if not h.base and len(segs) == 1 and segs[0].start == 0:
+            os.replace(segs[0].path, final)
+            if self.fsync:
+                fsync_dir(final.parent)
+        else:
+            tmp = final.with_name(final.name + ".partial")
+            if not h.base and not segs:
+                final.parent.mkdir(parents=True, exist_ok=True)
+                HandleFileWriter(tmp, self._file_attrs(h), 0).finish()
+            else:
+                parts = [open_part(p) for p in h.base] + [open_part(s.path) for s in segs]
+                try:
+                    merge_parts(parts, tmp, self._file_attrs(h), self._compression_for)
+                finally:
+                    for p in parts:
+                        p.close()
+            if self.fsync:
+                fsync_file(tmp)
+            os.replace(tmp, final)
+            if self.fsync:
+                fsync_dir(final.parent)
+            for s in segs:
+                try:
+                    os.unlink(s.path)
+                except FileNotFoundError:
+                    pass
+        with self._seg_lock:
+            h.sealed = []
+            h.base = [final]
+        h.final_done = True
+        self._current_path = None
+
+    # --- compaction (own thread; only touches sealed, immutable segment files) -------------------------
+    def _compact_loop(self) -> None:
+        while True:
+            with self._compact_cond:
+                while not self._compact_wanted and not self._compact_stop:
+                    self._compact_cond.wait()
+                if self._compact_stop:
+                    return
+                self._compact_wanted = False
+            try:
+                for h in list(self._handles.values()):
+                    while not self._compact_stop:
+                        with self._seg_lock:
+                            pick = _pick_merge([s.nbytes for s in h.sealed])
+                            run = list(h.sealed[pick[0] : pick[1]]) if pick else None
+                        if not run:
+                            break
+                        self._merge_segments(h, run)
+            except BaseException as e:
+                self._compact_error = e
+                return
+
+    def _merge_segments(self, h: _Handle, run: list[_Seg]) -> None:
+        start, end = run[0].start, run[-1].end
+        out = self.run_dir / segment_name(h.key, h.suffix, start, end)
+        tmp = out.with_name(out.name + ".partial")
+        parts = [open_part(s.path) for s in run]
+        try:
+            merge_parts(parts, tmp, self._file_attrs(h), self._compression_for, record_start=start)
+        finally:
+            for p in parts:
+                p.close()
+        if self.fsync:
+            fsync_file(tmp)
+        os.replace(tmp, out)
+        if self.fsync:
+            fsync_dir(out.parent)
+        with self._seg_lock:
+            i = h.sealed.index(run[0])
+            h.sealed[i : i + len(run)] = [_Seg(start, end, out, out.stat().st_size)]
+        for s in run:
+            try:
+                os.unlink(s.path)
+            except FileNotFoundError:
+                pass
+
+    # --- manifest -------------------------------------------------------------------------------------
+    def _manifest(self, status: str) -> dict[str, Any]:
+        handles: dict[str, Any] = dict(self._old_handles)
+        for hid in self._order:
+            h = self._handles[hid]
+            old = self._old_handles.get(hid, {})
+            fields = dict(old.get("fields", {}))
+            for name, dn in list(h.field_dtype.items()):
+                if name in h.shapes or name in h.ragged:
+                    shape = None if name in h.ragged else list(h.shapes[name])
+                    prev = fields.get(name)
+                    if prev is not None and prev.get("shape") != shape:
+                        shape = None
+                    fields[name] = {"dtype": dn, "shape": shape}
+            steps = old.get("steps")
+            if h.steps_min is not None:
+                lo, hi = h.steps_min, h.steps_max
+                if steps:
+                    lo, hi = min(lo, steps[0]), max(hi, steps[1])
+                steps = [lo, hi]
+            handles[hid] = {
+                "key": h.key, "file": final_name(h.key, h.suffix),
+                **{k: h.info[k] for k in ("module_name", "module_type", "category", "hook_fn_name")},
+                "records": h.stats.flushed, "bytes": int(old.get("bytes", 0)) + h.written_bytes,
+                "dropped": int(old.get("dropped", 0)) + h.stats.dropped,
+                "steps": steps, "fields": fields, "meta": h.info["meta"],
+                "segments": len(h.sealed) if not h.final_done else 0,
+            }
+        return {
+            "format": RUN_FORMAT, "format_version": FORMAT_VERSION, "hookline_version": hookline_version(),
+            "created": self._created, "updated": now_iso(), "status": status,
+            "rank": self.rank, "world_size": self.world_size, "meta": self.meta,
+            "dropped": sum(int(v.get("dropped", 0)) for v in handles.values()),
+            "error": str(self._error) if self._error else None,
+            "handles": handles,
+        }
+
+    def _write_manifest(self, status: str) -> None:
+        self._current_path = self._manifest_path
+        m = self._manifest(status)
+        try:
+            json.dumps(m)
+        except (TypeError, ValueError):
+            m["meta"] = json.loads(json.dumps(self.meta, default=str))
+        atomic_write_json(self._manifest_path, m, fsync=self.fsync)
+        self._dirty = False
+        self._current_path = None
+
+
+def _pick_merge(sizes: list[int]) -> tuple[int, int] | None:
+    """Pick a trailing run of sealed segments to merge (size-tiered, like an LSM tree).
+
+    The longest suffix of >= :data:`COMPACT_FANIN` segments whose total size is at most the size
+    of the segment before it is merged, so every byte is copied O(log n) times. Returns
+    ``(i, len)`` slice bounds or None.
+    """
+    n = len(sizes)
+    if n < COMPACT_FANIN:
+        return None
+    total = 0
+    best = None
+    for i in range(n - 1, -1, -1):
+        total += sizes[i]
+        if n - i >= COMPACT_FANIN and (i == 0 or sizes[i - 1] >= total):
+            best = i
+    if best is None and n >= 4 * COMPACT_FANIN:
+        best = n - 2 * COMPACT_FANIN
+    return (best, n) if best is not None else None
+
+
+def _l2(arr: np.ndarray, dn: str) -> float:
+    """L2 norm of one record, accumulated in float32 (BLAS) with a float64 retry on overflow/underflow."""
+    if arr.size == 0:
+        return 0.0
+    if dn in ("float32", "float64"):
+        x = arr.reshape(-1)
+    elif dn in ("complex64", "complex128"):
+        x = arr.reshape(-1).view(np.float32 if dn == "complex64" else np.float64)
+    else:
+        x = dtypes.to_float(arr, dn).reshape(-1)
+        if x.dtype.kind == "c":
+            x = x.view(np.float32)
+    s = float(np.dot(x, x))
+    if not math.isfinite(s) or s < 1e-30:
+        x64 = x.astype(np.float64)
+        s = float(np.dot(x64, x64))
+    return math.sqrt(s) if s == s else float("nan")
