@@ -11,13 +11,24 @@ from hookline.storage.errors import (
     InvalidArgumentError,
     UnknownNameError,
 )
+from hookline.tracker.handles import HookFunction, HookHandle
+from hookline.tracker.manager import HookManager
+from hookline.tracker.pytree import Leaves
+from hookline.tracker.select import select
 
 __all__ = [
     "DuplicateNameError",
+    "HookFunction",
     "HookFunctionError",
+    "HookHandle",
+    "HookManager",
     "HookOutputError",
     "HooklineError",
     "HookTypeError",
     "InvalidArgumentError",
+    "Leaves",
     "UnknownNameError",
+    "select",
 ]
+
+# Recorder is re-exported below by the capture module.

@@ -1,0 +1,192 @@
+"""Module backward hooks built from autograd machinery attached during the forward pass.
+
+For every call of a module with active backward hooks (and grad mode on):
+
+* the forward pre-hook passes all grad-requiring input leaves through ONE identity autograd
+  Function (:class:`_CallInputs`). Its backward receives exactly the gradients that flow into
+  the inputs *through this call* (the call's own contribution, also when an input feeds a
+  residual branch too or is passed twice) and delivers all of them at once. Its outputs are
+  detached aliases of the inputs (same storage and version counter, not views), so a module that
+  modifies its input in place (``nn.ReLU(inplace=True)``) works; the caller's tensor is then
+  re-based onto the module's in-place result (:class:`_Rebase`), which keeps torch's in-place
+  semantics for the caller.
+* the forward hook registers plain tensor hooks on the output leaves (no custom Function on the
+  outputs, so in-place ops after the module, like ``out += identity``, keep working; a tensor hook
+  registered before an in-place op receives the gradient of the value before the modification).
+
+The state of one call (:class:`BackwardCall`) is owned by the autograd graph (the Function's
+context and the tensor hooks), never by the module: a forward without backward leaks nothing
+once its graph is freed, and several forwards before one backward each fire separately.
+
+A call fires its hooks once per backward pass: when its inputs' gradients arrive, or, when no
+input needs a gradient, when all of its grad-requiring outputs got theirs; anything that has not
+fired by the end of the pass (outputs unused by the loss, ``autograd.grad`` stopping before the
+inputs) fires from an engine callback at the end of the pass.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from functools import partial
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from hookline.tracker.pytree import Leaves
+
+if TYPE_CHECKING:
+    from hookline.tracker.dispatch import ModuleHooks
+    from hookline.tracker.handles import HookHandle
+
+__all__ = ["BackwardCall", "PendingInputs"]
+
+_Tensor = torch.Tensor
+_queue_callback = torch.autograd.Variable._execution_engine.queue_callback
+_set_versions = torch._C._autograd._unsafe_set_version_counter
+
+
+class _CallInputs(torch.autograd.Function):
+    """Identity over the grad-requiring inputs of one call; its backward reports grad_in."""
+
+    @staticmethod
+    def forward(ctx: Any, call: BackwardCall, *inputs: _Tensor) -> tuple[_Tensor, ...]:  # type: ignore[override]
+        ctx.call = call
+        ctx.set_materialize_grads(False)  # keep None for inputs this call sent no gradient to
+        return tuple(t.detach() for t in inputs)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: _Tensor | None) -> tuple[_Tensor | None, ...]:  # type: ignore[override]
+        ctx.call.on_grad_in(grads)
+        return (None, *grads)
+
+
+class _Rebase(torch.autograd.Function):
+    """Give a caller's tensor the history of the module's in-place result on its alias."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: _Tensor, result: _Tensor) -> _Tensor:  # type: ignore[override]
+        ctx.mark_dirty(tensor)
+        return tensor
+
+    @staticmethod
+    def backward(ctx: Any, grad: _Tensor) -> tuple[None, _Tensor]:  # type: ignore[override]
+        return None, grad
+
+
+class PendingInputs:
+    """What the forward hook needs from the pre-hook of the same call (holds tensors briefly)."""
+
+    __slots__ = ("call", "inputs", "versions", "aliases")
+
+    def __init__(self, call: BackwardCall, inputs: list[_Tensor], aliases: Sequence[_Tensor]) -> None:
+        self.call = call
+        self.inputs = inputs
+        self.versions = [t._version for t in inputs]
+        self.aliases = aliases
+
+    def rebase_modified(self) -> None:
+        """Re-base caller tensors that the module modified in place (through their alias)."""
+        done: set[int] = set()
+        for t, v, alias in zip(self.inputs, self.versions, self.aliases):
+            if t._version != v and id(t) not in done:
+                done.add(id(t))
+                version = t._version
+                _Rebase.apply(t, alias)
+                _set_versions((t,), (version,))  # the re-base is not a new modification
+
+
+class BackwardCall:
+    """Gradients of one module call in one backward pass, and the firing of its hooks."""
+
+    __slots__ = (
+        "hooks", "handles", "in_index", "in_paths", "in_skipped", "out_paths", "out_skipped",
+        "expected", "grad_in", "grad_out", "seen", "input_done", "open", "fired",
+    )
+
+    def __init__(self, hooks: ModuleHooks, handles: tuple[HookHandle, ...], inputs: Leaves) -> None:
+        self.hooks = hooks
+        self.handles = handles
+        self.in_index = tuple(i for i, t in enumerate(inputs) if t.requires_grad)
+        self.in_paths = inputs.paths
+        self.in_skipped = inputs.skipped
+        self.out_paths: tuple[str, ...] = ()
+        self.out_skipped: tuple[str, ...] = ()
+        self.expected = 0
+        self.grad_in: list | None = None
+        self.grad_out: list | None = None
+        self.seen = 0
+        self.input_done = False
+        self.open = False
+        self.fired = False
+
+    # --- forward ---------------------------------------------------------------------------
+    def wrap_inputs(self, inputs: Leaves) -> tuple[Leaves, PendingInputs | None]:
+        """Pass the grad-requiring inputs through one :class:`_CallInputs` node."""
+        if not self.in_index:
+            return inputs, None
+        originals = [inputs[i] for i in self.in_index]
+        aliases = _CallInputs.apply(self, *originals)
+        new = list(inputs)
+        for i, a in zip(self.in_index, aliases):
+            new[i] = a
+        return Leaves(new, inputs.paths, inputs.skipped), PendingInputs(self, originals, aliases)
+
+    def watch_outputs(self, outputs: Leaves) -> None:
+        """Register one tensor hook per distinct grad-requiring, non-leaf output tensor."""
+        self.out_paths = outputs.paths
+        self.out_skipped = outputs.skipped
+        positions: dict[int, list[int]] = {}
+        tensors: list[_Tensor] = []
+        for i, t in enumerate(outputs):
+            if t.grad_fn is not None:  # leaves (e.g. a returned Parameter) would keep the hook forever
+                if id(t) in positions:
+                    positions[id(t)].append(i)
+                else:
+                    positions[id(t)] = [i]
+                    tensors.append(t)
+        for t in tensors:
+            t.register_hook(partial(self._on_grad_out, positions[id(t)]))
+        self.expected = len(tensors)
+
+    # --- backward --------------------------------------------------------------------------
+    def _open_pass(self) -> None:
+        self.open = True
+        self.fired = False
+        self.seen = 0
+        self.input_done = not self.in_index
+        self.grad_in = [None] * len(self.in_paths)
+        self.grad_out = [None] * len(self.out_paths)
+        _queue_callback(self._end_pass)
+
+    def _on_grad_out(self, positions: list[int], grad: _Tensor) -> None:
+        if not self.open:
+            self._open_pass()
+        if not self.fired:
+            for i in positions:
+                self.grad_out[i] = grad  # type: ignore[index]
+            self.seen += 1
+            if self.input_done and self.seen == self.expected:
+                self._fire()
+
+    def on_grad_in(self, grads: tuple[_Tensor | None, ...]) -> None:
+        """Called by :class:`_CallInputs` backward with this call's input gradients."""
+        if not self.open:
+            self._open_pass()
+        if not self.fired:
+            for i, g in zip(self.in_index, grads):
+                self.grad_in[i] = g  # type: ignore[index]
+            self._fire()
+
+    def _end_pass(self) -> None:
+        try:
+            if not self.fired:
+                self._fire()
+        finally:
+            self.open = False
+
+    def _fire(self) -> None:
+        self.fired = True
+        grad_in = Leaves(self.grad_in, self.in_paths, self.in_skipped)  # type: ignore[arg-type]
+        grad_out = Leaves(self.grad_out, self.out_paths, self.out_skipped)  # type: ignore[arg-type]
+        self.grad_in = self.grad_out = None
+        self.hooks.run_backward(self.handles, grad_in, grad_out)

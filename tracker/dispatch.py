@@ -1,0 +1,163 @@
+"""Per-module dispatch: the torch hooks one manager installs on one module.
+
+A :class:`ModuleHooks` keeps the *active* handles of one module by category, in registration
+order, and installs at most one torch forward pre-hook and one torch forward hook on the module,
+only while some handle needs them (pre-hooks and backward hooks need the pre-hook; forward hooks
+and backward hooks need the forward hook). With no active handle, the module carries no torch
+hook at all, so deactivated hooks cost nothing.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from hookline.storage.errors import HookFunctionError, HookOutputError
+from hookline.tracker.backward import BackwardCall, PendingInputs
+from hookline.tracker.pytree import Leaves, flatten, flatten_call, unflatten, unflatten_call
+
+if TYPE_CHECKING:
+    from torch.utils.hooks import RemovableHandle
+
+    from hookline.tracker.handles import HookHandle
+
+__all__ = ["ModuleHooks"]
+
+_Tensor = torch.Tensor
+
+
+def call_hook(handle: HookHandle, *args: Any) -> Any:
+    """Call a user hook; re-raise its exception as HookFunctionError naming the handle."""
+    try:
+        return handle.hook_fn.fn(*args)
+    except Exception as e:
+        raise HookFunctionError(
+            f"hook {handle.name!r} raised {type(e).__name__}: {e} "
+            "(the original exception is chained as __cause__)"
+        ) from e
+
+
+def replace_leaves(handle: HookHandle, leaves: Leaves, new: Any, what: str) -> Leaves:
+    """Validate a hook's return value and return the leaves it replaces ``leaves`` with."""
+    if new is leaves:
+        return leaves
+    if isinstance(new, _Tensor):
+        new = (new,)
+    elif not isinstance(new, (tuple, list)):
+        raise HookOutputError(
+            f"hook {handle.name!r} returned a {type(new).__name__}; it must return None (keep the "
+            f"{what}), a tuple of {len(leaves)} tensors to replace them, or a bare tensor when "
+            "there is exactly one"
+        )
+    if len(new) != len(leaves):
+        raise HookOutputError(
+            f"hook {handle.name!r} returned {len(new)} {what} but the module has {len(leaves)} "
+            f"(paths {list(leaves.paths)}); return a tuple of the same length, or None"
+        )
+    return Leaves(new, leaves.paths, leaves.skipped)
+
+
+class ModuleHooks:
+    """The active handles of one module (for one manager) and the torch hooks serving them."""
+
+    __slots__ = ("module", "registered", "pre", "fwd", "bwd", "_torch_pre", "_torch_fwd", "_pending")
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+        self.registered = 0  # handles registered on the module (active or not), kept by the manager
+        self.pre: tuple[HookHandle, ...] = ()
+        self.fwd: tuple[HookHandle, ...] = ()
+        self.bwd: tuple[HookHandle, ...] = ()
+        self._torch_pre: RemovableHandle | None = None
+        self._torch_fwd: RemovableHandle | None = None
+        # One entry per call between pre-hook and forward hook (a stack: calls can nest).
+        self._pending: list[PendingInputs | BackwardCall | None] = []
+
+    # --- activation ------------------------------------------------------------------------
+    def add(self, handle: HookHandle) -> None:
+        """Start calling ``handle`` (keeps registration order)."""
+        attr = _ATTR[handle.hook_fn.category]
+        handles = (*getattr(self, attr), handle)
+        setattr(self, attr, tuple(sorted(handles, key=lambda h: h.order)))
+        self._sync()
+
+    def discard(self, handle: HookHandle) -> None:
+        """Stop calling ``handle``."""
+        attr = _ATTR[handle.hook_fn.category]
+        setattr(self, attr, tuple(h for h in getattr(self, attr) if h is not handle))
+        self._sync()
+
+    def _sync(self) -> None:
+        need_pre = bool(self.pre or self.bwd)
+        need_fwd = bool(self.fwd or self.bwd)
+        if need_pre and self._torch_pre is None:
+            self._torch_pre = self.module.register_forward_pre_hook(self._pre_hook, with_kwargs=True)
+        elif not need_pre and self._torch_pre is not None:
+            self._torch_pre.remove()
+            self._torch_pre = None
+        if need_fwd and self._torch_fwd is None:
+            self._torch_fwd = self.module.register_forward_hook(
+                self._forward_hook, with_kwargs=True, always_call=True
+            )
+        elif not need_fwd and self._torch_fwd is not None:
+            self._torch_fwd.remove()
+            self._torch_fwd = None
+
+    # --- torch hooks -----------------------------------------------------------------------
+    def _pre_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        bwd = self.bwd
+        if bwd:
+            self._pending.append(None)  # popped by the forward hook even if this hook raises
+        if not self.pre and not (bwd and torch.is_grad_enabled()):
+            return None
+        leaves, spec = flatten_call(args, kwargs)
+        original = leaves
+        for handle in self.pre:
+            new = call_hook(handle, module, leaves)
+            if new is not None:
+                leaves = replace_leaves(handle, leaves, new, "inputs")
+        if bwd and torch.is_grad_enabled():
+            call = BackwardCall(self, bwd, leaves)
+            leaves, pending = call.wrap_inputs(leaves)
+            self._pending[-1] = pending or call
+        if leaves is original:
+            return None
+        return unflatten_call(spec, leaves)
+
+    def _forward_hook(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+        entry = self._pending.pop() if self._pending else None
+        if output is None and sys.exc_info()[1] is not None:
+            return None  # forward raised: torch calls always_call hooks only to let them clean up
+        leaves: Leaves | None = None
+        replaced = False
+        if self.fwd:
+            inputs = flatten_call(args, kwargs)[0]
+            leaves, spec = flatten(output)
+            for handle in self.fwd:
+                new = call_hook(handle, module, inputs, leaves)
+                if new is not None:
+                    new_leaves = replace_leaves(handle, leaves, new, "outputs")
+                    replaced = replaced or new_leaves is not leaves
+                    leaves = new_leaves
+        if entry is not None:
+            if isinstance(entry, PendingInputs):
+                entry.rebase_modified()
+                entry = entry.call
+            if leaves is None:
+                leaves, spec = flatten(output)
+            entry.watch_outputs(leaves)
+        if replaced:
+            return unflatten(spec, leaves)
+        return None
+
+    def run_backward(self, handles: tuple[HookHandle, ...], grad_in: Leaves, grad_out: Leaves) -> None:
+        """Call the backward handles of one call that are still active."""
+        for handle in handles:
+            if handle.active:
+                call_hook(handle, self.module, grad_in, grad_out)
+
+
+_ATTR = {"forward_pre_hook": "pre", "forward_hook": "fwd", "backward_hook": "bwd"}

@@ -1,0 +1,118 @@
+"""HookFunction (a registered hook function) and HookHandle (one function on one module)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from torch import nn
+
+from hookline.storage.errors import InvalidArgumentError
+
+if TYPE_CHECKING:
+    from hookline.tracker.dispatch import ModuleHooks
+    from hookline.tracker.manager import HookManager
+
+__all__ = ["HookFunction", "HookHandle"]
+
+
+class HookFunction:
+    """A hook function registered with a :class:`~hookline.tracker.HookManager`.
+
+    Attributes:
+        fn: the user's callable.
+        name: its id in ``HookManager.name_to_hookfn`` (``repr(fn)`` unless given).
+        category: ``"forward_hook"``, ``"forward_pre_hook"`` or ``"backward_hook"``.
+        module_to_handle: ``{module: HookHandle}`` for every module it is registered on.
+    """
+
+    def __init__(self, fn: Callable[..., Any], name: str, category: str) -> None:
+        self.fn = fn
+        self.name = name
+        self.category = category
+        self.module_to_handle: dict[nn.Module, HookHandle] = {}
+
+    def __call__(self, *args: Any) -> Any:
+        """Call the wrapped function directly (no error wrapping, no replacement logic)."""
+        return self.fn(*args)
+
+    def __repr__(self) -> str:
+        return f"HookFunction({self.name!r}, {self.category}, {len(self.module_to_handle)} modules)"
+
+
+class HookHandle:
+    """One registration of a :class:`HookFunction` on one module.
+
+    Usable as a context manager that removes the hook on exit, like torch's ``RemovableHandle``::
+
+        with mgr.register_forward_hook(fn, m=model).module_to_handle[model]:
+            model(x)
+
+    Attributes:
+        hook_fn: the :class:`HookFunction`.
+        module: the hooked module.
+        module_name: the module's name in the manager.
+        name: the handle id, ``"<hook_fn.name>[<module_name>]"``.
+        order: registration sequence number (hooks on one module fire in this order).
+    """
+
+    def __init__(
+        self, manager: HookManager, hook_fn: HookFunction, module: nn.Module, module_name: str,
+        slot: ModuleHooks, order: int,
+    ) -> None:
+        self.hook_fn = hook_fn
+        self.module = module
+        self.module_name = module_name
+        self.name = f"{hook_fn.name}[{module_name}]"
+        self.order = order
+        self._manager: HookManager | None = manager
+        self._slot = slot
+        self._active = False
+
+    @property
+    def active(self) -> bool:
+        """Whether the hook currently runs when the module is called."""
+        return self._active
+
+    @property
+    def removed(self) -> bool:
+        """Whether the handle was removed (it can then never be activated again)."""
+        return self._manager is None
+
+    def activate(self) -> None:
+        """Make the hook run on the module's next calls (no-op when already active).
+
+        Raises:
+            InvalidArgumentError: the handle was removed.
+        """
+        if self._manager is None:
+            raise InvalidArgumentError(
+                f"hook handle {self.name!r} was removed and cannot be activated again; "
+                "register the hook function on the module again"
+            )
+        if not self._active:
+            self._active = True
+            self._slot.add(self)
+
+    def deactivate(self) -> None:
+        """Stop running the hook; no-op when inactive or removed."""
+        if self._active:
+            self._active = False
+            self._slot.discard(self)
+
+    def remove(self) -> None:
+        """Deactivate the hook and purge it from its manager's tables. Idempotent."""
+        manager, self._manager = self._manager, None
+        if manager is not None:
+            self.deactivate()
+            manager._forget(self)
+
+    def __enter__(self) -> HookHandle:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+    def __repr__(self) -> str:
+        state = "removed" if self.removed else "active" if self._active else "inactive"
+        return f"<HookHandle {self.name!r} ({self.hook_fn.category}, {state})>"
