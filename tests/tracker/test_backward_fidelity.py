@@ -1,0 +1,206 @@
+"""Backward hooks against independently computed gradients (see _grad_reference.py)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from _grad_reference import assert_same_calls, recorder, reference_grads
+from torch import nn
+
+from hookline.tracker import HookManager, select
+
+
+def check(mgr: HookManager, model: nn.Module, reference_model: nn.Module, loss_fn, pattern="*", **select_kw):
+    got, hook = recorder()
+    mgr.register_backward_hook(hook, **select(model, pattern, **select_kw))
+    loss_fn(model).backward()
+    want = reference_grads(reference_model, select(reference_model, pattern, **select_kw), loss_fn)
+    assert_same_calls(got, want)
+    return got
+
+
+class Block(nn.Module):
+    """ResNet basic block: in-place ReLU module used twice, ``out += identity``."""
+
+    def __init__(self, c: int, inplace: bool = True) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(c, c, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(c)
+        self.relu = nn.ReLU(inplace=inplace)
+        self.conv2 = nn.Conv2d(c, c, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(c)
+        self.inplace = inplace
+
+    def forward(self, x):
+        identity = x
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        if self.inplace:
+            out += identity
+        else:
+            out = out + identity
+        return self.relu(out)
+
+
+def resnet(inplace: bool) -> nn.Module:
+    return nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(inplace=inplace), Block(4, inplace), Block(4, inplace))
+
+
+def out_of_place(model: nn.Module) -> nn.Module:
+    ref = copy.deepcopy(model)
+    for m in ref.modules():
+        if hasattr(m, "inplace"):
+            m.inplace = False
+    return ref
+
+
+@pytest.mark.parametrize("input_grad", [True, False])
+def test_mlp(mgr, input_grad):
+    model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 3))
+    x = torch.randn(5, 6, requires_grad=input_grad)
+    got = check(mgr, model, copy.deepcopy(model), lambda m: m(x).pow(2).sum())
+    assert (got["0"][0][0][0] is None) == (not input_grad)
+
+
+def test_resnet_block_inplace_relu_and_residual(mgr):
+    model = resnet(inplace=True)
+    x = torch.randn(2, 3, 6, 6, requires_grad=True)
+    got = check(mgr, model, out_of_place(model), lambda m: m(x).pow(2).sum())
+    assert len(got["2.relu"]) == 2 and len(got["3.relu"]) == 2  # the shared ReLU fires per call
+
+
+def test_resnet_input_without_grad(mgr):
+    model = resnet(inplace=True)
+    x = torch.randn(2, 3, 6, 6)
+    check(mgr, model, out_of_place(model), lambda m: m(x).pow(2).sum())
+
+
+def test_transformer_encoder_layer(mgr):
+    layer = nn.TransformerEncoderLayer(d_model=8, nhead=2, dim_feedforward=16, dropout=0.0, batch_first=True)
+    x = torch.randn(2, 5, 8, requires_grad=True)
+    mask = torch.zeros(5, 5, dtype=torch.bool)
+    mask[0, 4] = True
+    check(mgr, layer, copy.deepcopy(layer), lambda m: m(x, src_mask=mask).pow(2).sum())
+
+
+def test_lstm_tuple_of_tuple_output(mgr):
+    lstm = nn.LSTM(4, 6, batch_first=True)
+    x = torch.randn(2, 3, 4, requires_grad=True)
+    h0 = (torch.randn(1, 2, 6, requires_grad=True), torch.randn(1, 2, 6))
+
+    def loss(m):
+        out, (h, c) = m(x, h0)
+        return out.pow(2).sum() + h.sum()  # c unused: its grad_out is None
+
+    got = check(mgr, lstm, copy.deepcopy(lstm), loss)
+    (grad_in, grad_out), = got[""]
+    assert [g is None for g in grad_in] == [False, False, True]  # x, h0, c0 (no grad)
+    assert [g is None for g in grad_out] == [False, False, True]  # out, h, c (unused)
+
+
+class TwoInputs(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, a, b):
+        return self.lin(a) * b + a
+
+
+def test_two_inputs_one_frozen(mgr):
+    m = TwoInputs()
+    a = torch.randn(3, 4, requires_grad=True)
+    b = torch.randn(3, 4)  # does not require grad
+    got = check(mgr, m, copy.deepcopy(m), lambda mod: mod(a, b).sum(), pattern="")
+    assert got[""][0][0][1] is None
+
+
+def test_output_used_twice(mgr):
+    m = nn.Linear(4, 4)
+    x = torch.randn(3, 4, requires_grad=True)
+
+    def loss(mod):
+        y = mod(x)
+        return (y * y).sum() + y.sum()
+
+    check(mgr, m, copy.deepcopy(m), loss)
+
+
+def test_tensor_passed_twice(mgr):
+    m = TwoInputs()
+    x = torch.randn(3, 4, requires_grad=True)
+    got = check(mgr, m, copy.deepcopy(m), lambda mod: mod(x, x).pow(2).sum(), pattern="")
+    grad_a, grad_b = got[""][0][0]
+    assert not torch.allclose(grad_a, grad_b)  # each position gets its own contribution
+
+
+def test_residual_input_gets_own_contribution(mgr):
+    lin = nn.Linear(4, 4)
+    x = torch.randn(3, 4, requires_grad=True)
+    h = x * 2
+    got, hook = recorder()
+    mgr.register_backward_hook(hook, lin=lin)
+    (lin(h) + h).pow(2).sum().backward()
+    (grad_in,), (grad_out,) = got["lin"][0]
+    torch.testing.assert_close(grad_in, grad_out @ lin.weight)  # not the total gradient of h
+
+
+def test_module_called_three_times(mgr):
+    lin = nn.Linear(4, 4)
+    x = torch.randn(2, 4, requires_grad=True)
+    model = nn.Sequential(lin, lin, lin)
+    check(mgr, model, copy.deepcopy(model), lambda m: m(x).pow(2).sum(), pattern="0")
+
+
+def test_two_forwards_one_backward(mgr):
+    m = nn.Sequential(nn.Linear(4, 4), nn.ReLU(inplace=True), nn.Linear(4, 2))
+    x1, x2 = torch.randn(2, 4, requires_grad=True), torch.randn(3, 4, requires_grad=True)
+    check(mgr, m, out_of_place(m), lambda mod: mod(x1).sum() + mod(x2).pow(2).sum())
+
+
+def test_inplace_module_input_reused_by_caller(mgr):
+    """The hooked in-place ReLU modifies the caller's tensor; the caller keeps using it."""
+
+    class Caller(nn.Module):
+        def __init__(self, inplace: bool) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+            self.act = nn.ReLU(inplace=inplace)
+
+        def forward(self, x):
+            h = self.lin(x)
+            y = self.act(h)
+            # h IS y after the in-place ReLU; the out-of-place reference says so explicitly
+            return y * 3 + (h if self.act.inplace else y) * 5
+
+    m = Caller(True)
+    x = torch.randn(3, 4, requires_grad=True)
+    check(mgr, m, out_of_place(m), lambda mod: mod(x).pow(2).sum())
+
+
+def test_inplace_after_hooked_module(mgr):
+    m = nn.Sequential(nn.Linear(4, 4), nn.ReLU(inplace=True), nn.Linear(4, 4), nn.Dropout(0.0, inplace=True))
+    x = torch.randn(3, 4, requires_grad=True)
+    check(mgr, m, out_of_place(m), lambda mod: mod(x).pow(2).sum(), pattern="[02]")
+
+
+@pytest.mark.parametrize("module", [nn.Identity(), nn.Dropout(0.5).eval(), nn.Dropout(0.5, inplace=True).eval()],
+                         ids=["identity", "eval-dropout", "eval-dropout-inplace"])
+def test_identity_like_modules(mgr, module):
+    model = nn.Sequential(nn.Linear(4, 4), module, nn.Linear(4, 2))
+    x = torch.randn(3, 4, requires_grad=True)
+
+    def loss(m):
+        h = m[0](x)
+        return m[2](m[1](h)).pow(2).sum() + h.sum()  # the input also feeds a residual use
+
+    check(mgr, model, out_of_place(model), loss)
+
+
+def test_frozen_parameters(mgr):
+    m = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    m[0].requires_grad_(False)
+    x = torch.randn(3, 4, requires_grad=True)
+    check(mgr, m, copy.deepcopy(m), lambda mod: mod(x).pow(2).sum())

@@ -1,0 +1,244 @@
+"""When backward hooks fire, what they receive, and what they leave behind."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import gc
+from collections import namedtuple
+
+import pytest
+import torch
+from _grad_reference import assert_same_calls, recorder, reference_grads
+from torch import nn
+
+from hookline.tracker import HookFunctionError, HookManager, select
+from hookline.tracker.backward import BackwardCall
+
+
+def counter():
+    calls = []
+    return calls, lambda module, gi, go: calls.append((module.name, gi, go))
+
+
+def test_fires_under_autograd_grad_and_never_waits_for_parameters(mgr):
+    m = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    calls, hook = counter()
+    mgr.register_backward_hook(hook, **select(m, "?"))
+    x = torch.randn(3, 4, requires_grad=True)
+    (gx,) = torch.autograd.grad(m(x).sum(), x)
+    assert [c[0] for c in calls] == ["1", "0"]
+    torch.testing.assert_close(calls[1][1][0], gx)
+    assert m[0].weight.grad is None
+
+
+def test_autograd_grad_stopping_before_inputs_fires_at_end_of_pass(mgr):
+    lin = nn.Linear(4, 4)
+    calls, hook = counter()
+    mgr.register_backward_hook(hook, lin=lin)
+    x = torch.randn(3, 4, requires_grad=True)
+    y = lin(x)
+    (gy,) = torch.autograd.grad((y * 2).sum(), y)
+    assert len(calls) == 1
+    _, grad_in, grad_out = calls[0]
+    assert grad_in[0] is None  # the input node never ran
+    torch.testing.assert_close(grad_out[0], gy)
+
+
+def test_retain_graph_fires_on_every_pass(mgr):
+    lin = nn.Linear(4, 4)
+    calls, hook = counter()
+    mgr.register_backward_hook(hook, lin=lin)
+    x = torch.randn(3, 4, requires_grad=True)
+    loss = lin(x).sum()
+    loss.backward(retain_graph=True)
+    loss.backward(retain_graph=True)
+    loss.backward()
+    assert len(calls) == 3
+    for _, gi, go in calls:
+        torch.testing.assert_close(gi[0], calls[0][1][0])
+
+
+def test_no_grad_forward_does_not_fire(mgr):
+    lin = nn.Linear(4, 4)
+    calls, hook = counter()
+    mgr.register_backward_hook(hook, lin=lin)
+    with torch.no_grad():
+        y = lin(torch.randn(2, 4))
+    assert not y.requires_grad and calls == []
+    with torch.inference_mode():
+        lin(torch.randn(2, 4))
+    lin(torch.randn(2, 4)).sum().backward()
+    assert len(calls) == 1
+
+
+def test_deactivated_between_forward_and_backward_does_not_fire(mgr):
+    lin = nn.Linear(4, 4)
+    calls, hook = counter()
+    other_calls, other = counter()
+    hf = mgr.register_backward_hook(hook, lin=lin)
+    mgr.register_backward_hook(other, lin=lin)
+    y = lin(torch.randn(2, 4, requires_grad=True))
+    hf.module_to_handle[lin].deactivate()
+    y.sum().backward()
+    assert calls == [] and len(other_calls) == 1
+
+
+def test_no_input_needs_grad_fires_after_output_grads(mgr):
+    m = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    calls, hook = counter()
+    mgr.register_backward_hook(hook, **select(m, "?"))
+    m(torch.randn(3, 4)).sum().backward()
+    assert [c[0] for c in calls] == ["2", "1", "0"]
+    assert calls[2][1] == (None,)
+
+
+def _live_calls() -> int:
+    gc.collect()
+    return sum(type(o) is BackwardCall for o in gc.get_objects())
+
+
+def test_forward_without_backward_leaks_nothing(mgr):
+    m = nn.Sequential(nn.Linear(4, 4), nn.ReLU(inplace=True), nn.Linear(4, 2))
+    calls, hook = counter()
+    mgr.register_backward_hook(hook, **select(m, "*"))
+    before = _live_calls()
+    x = torch.randn(3, 4, requires_grad=True)
+    for _ in range(5):
+        y = m(x)
+    assert _live_calls() > before
+    del y
+    assert _live_calls() == before
+    assert all(not mh._pending for mh in mgr._slots.values())
+    assert x._backward_hooks is None or not x._backward_hooks
+    assert calls == []
+
+
+def test_backward_state_released_after_backward(mgr):
+    lin = nn.Linear(4, 4)
+    mgr.register_backward_hook(lambda *a: None, lin=lin)
+    before = _live_calls()
+    lin(torch.randn(2, 4, requires_grad=True)).sum().backward()
+    assert _live_calls() == before
+
+
+def test_backward_hooks_of_one_module_share_one_identity_node(mgr):
+    lin = nn.Linear(4, 4)
+    a_calls, a = counter()
+    b_calls, b = counter()
+    mgr.register_backward_hook(a, lin=lin)
+    mgr.register_backward_hook(b, lin=lin)
+    x = torch.randn(2, 4, requires_grad=True)
+    y = lin(x)
+    nodes = []
+    stack = [y.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is not None:
+            nodes.append(type(node).__name__)
+            stack.extend(n for n, _ in node.next_functions)
+    assert nodes.count("_CallInputsBackward") == 1
+    y.sum().backward()
+    assert len(a_calls) == len(b_calls) == 1
+
+
+def test_forward_only_registration_sets_up_no_backward_machinery(mgr):
+    lin = nn.Linear(4, 4)
+    mgr.register_forward_hook(lambda m, i, o: None, lin=lin)
+    mgr.register_forward_pre_hook(lambda m, i: None, lin=lin)
+    x = torch.randn(2, 4, requires_grad=True)
+    y = lin(x)
+    assert type(y.grad_fn).__name__ == "AddmmBackward0"
+    assert all("_CallInputs" not in type(n).__name__ for n, _ in y.grad_fn.next_functions if n is not None)
+    assert not mgr._slots[lin]._pending
+
+
+Point = namedtuple("Point", "a b")
+
+
+@dataclasses.dataclass
+class Out:
+    hidden: torch.Tensor
+    extra: object = None
+
+
+class Structured(nn.Module):
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.kind = kind
+
+    def forward(self, x, *, scale):
+        h = self.lin(x)
+        a, b = h * scale, h.sum(-1)
+        if self.kind == "dict":
+            return {"a": a, "none": None, "b": b}
+        if self.kind == "list":
+            return [a, [b, 3]]
+        if self.kind == "namedtuple":
+            return Point(a, b)
+        return Out(a, extra="meta")
+
+
+@pytest.mark.parametrize(("kind", "paths"), [
+    ("dict", ("a", "b")), ("list", ("0", "1.0")), ("namedtuple", ("a", "b")), ("dataclass", ("hidden",)),
+])
+def test_structured_outputs_and_kwargs_inputs(mgr, kind, paths):
+    m = Structured(kind)
+    x = torch.randn(3, 4, requires_grad=True)
+    scale = torch.randn(4, requires_grad=True)
+
+    def leaves_of(out):
+        if isinstance(out, dict):
+            return [out["a"], out["b"]]
+        if isinstance(out, list):
+            return [out[0], out[1][0]]
+        if isinstance(out, Out):
+            return [out.hidden]
+        return list(out)
+
+    def loss(mod):
+        return sum(t.pow(2).sum() for t in leaves_of(mod(x, scale=scale)))
+
+    reference = copy.deepcopy(m)  # before registering: deepcopy would copy the torch hooks too
+    seen = []
+    mgr.register_backward_hook(lambda mod, gi, go: seen.append((gi.paths, go.paths)), m=m)
+    got, hook = recorder()
+    mgr.register_backward_hook(hook, m=m)
+    loss(m).backward()
+    assert_same_calls(got, reference_grads(reference, {"m": reference}, loss))
+    assert seen == [(("0", "scale"), paths)]
+
+
+def test_hook_error_in_backward_names_the_handle(mgr):
+    lin = nn.Linear(4, 4)
+
+    def bad(module, gi, go):
+        raise ValueError("boom")
+
+    mgr.register_backward_hook(bad, hook_fn_name="bad", lin=lin)
+    y = lin(torch.randn(2, 4, requires_grad=True))
+    with pytest.raises(HookFunctionError, match=r"bad\[lin\].*ValueError: boom") as info:
+        y.sum().backward()
+    assert isinstance(info.value.__cause__, ValueError)
+
+
+def test_torch_full_backward_hook_fails_where_hookline_works():
+    """The reason this module exists: torch raises on `out += identity` after a hooked module."""
+    block = nn.Sequential(nn.Linear(4, 4))
+    x = torch.randn(2, 4, requires_grad=True)
+    handle = block[0].register_full_backward_hook(lambda *a: None)
+    try:
+        with pytest.raises(RuntimeError, match="view and is being modified inplace"):
+            out = block(x)
+            out += x
+    finally:
+        handle.remove()
+    mgr = HookManager()
+    calls, hook = counter()
+    mgr.register_backward_hook(hook, lin=block[0])
+    out = block(x)
+    out += x
+    out.sum().backward()
+    mgr.remove_all_hooks()
+    torch.testing.assert_close(calls[0][2][0], torch.ones(2, 4))
