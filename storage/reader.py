@@ -16,7 +16,7 @@ A source may also offer ``discover(key, suffix) -> _segments.Discovery`` to list
 
 from __future__ import annotations
 
-import math
+import json
 import os
 import re
 from pathlib import Path
@@ -87,8 +87,6 @@ def _synthesise_manifests(root: Path) -> list[dict[str, Any]]:
             "rank": None if rank < 0 else rank, "world_size": None if ws < 0 else ws, "meta": {},
             "handles": {}})
         hid = str(a["handle_id"])
-        import json
-
         m["handles"].setdefault(hid, {
             "key": str(a["key"]), "file": f"{a['key']}{rank_suffix(m['rank'], m['world_size'])}.h5",
             "module_name": str(a.get("module_name", "")), "module_type": str(a.get("module_type", "")),

@@ -419,8 +419,8 @@ class RunWriter:
                     raise HookTypeError(
                         f"field {name!r}: {dn} bits must be a numpy {inf.storage} array, got "
                         f"{getattr(arr, 'dtype', type(arr).__name__)}")
-            elif isinstance(v, np.ndarray):
-                arr = v
+            elif isinstance(v, (np.ndarray, np.generic)):
+                arr = v if type(v) is np.ndarray else np.asarray(v)
                 dn = dtypes._BY_NUMPY.get(arr.dtype) or dtypes.native_name(arr.dtype)
             else:
                 raise HookTypeError(
@@ -1089,8 +1089,9 @@ def _l2(arr: np.ndarray, dn: str) -> float:
         x = dtypes.to_float(arr, dn).reshape(-1)
         if x.dtype.kind == "c":
             x = x.view(np.float32)
-    s = float(np.dot(x, x))
-    if not math.isfinite(s) or s < 1e-30:
-        x64 = x.astype(np.float64)
-        s = float(np.dot(x64, x64))
+    with np.errstate(all="ignore"):
+        s = float(np.dot(x, x))
+        if not math.isfinite(s) or s < 1e-30:
+            x64 = x.astype(np.float64)
+            s = float(np.dot(x64, x64))
     return math.sqrt(s) if s == s else float("nan")

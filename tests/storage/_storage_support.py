@@ -1,0 +1,37 @@
+"""Helpers shared by the storage tests (imported as a top-level module: tests have no packages)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from hookline.storage import RunWriter
+
+HID = "outputs[blocks.0]"
+GID = "grads[blocks.0]"
+
+
+def add_std_handles(w: RunWriter) -> None:
+    """Declare the two handles most tests use."""
+    w.add_handle(HID, module_name="blocks.0", module_type="torch.nn.modules.linear.Linear",
+                 category="forward_hook", hook_fn_name="outputs", meta={"kind": "outputs"})
+    w.add_handle(GID, module_name="blocks.0", module_type="torch.nn.modules.linear.Linear",
+                 category="backward_hook", hook_fn_name="grads")
+
+
+def record_value(i: int, shape: tuple[int, ...] = (8, 16)) -> np.ndarray:
+    """Deterministic float32 content of record ``i``."""
+    return (np.arange(int(np.prod(shape)), dtype=np.float32).reshape(shape) * 0.5 + i).astype(np.float32)
+
+
+def write_std_run(run_dir: Path, n: int = 20, flush_every: int | None = None, **kw) -> RunWriter:
+    """Write ``n`` records to both handles (grad field only on even records); returns the open writer."""
+    w = RunWriter(run_dir, **kw)
+    add_std_handles(w)
+    for i in range(n):
+        w.write(HID, i, 0, {"outputs.0": record_value(i), "outputs.1": np.arange(i % 5 + 1, dtype=np.int64)})
+        w.write(GID, i, 0, {"grad_out.0": record_value(-i)} if i % 2 == 0 else {})
+        if flush_every and (i + 1) % flush_every == 0:
+            w.flush()
+    return w

@@ -1,0 +1,258 @@
+"""RunWriter behaviour: API contract, layout, ragged fields, budget/policies, compression."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+
+from hookline.storage import (
+    InvalidArgumentError,
+    RunWriter,
+    UnknownNameError,
+    WriterClosedError,
+    open_run,
+)
+from hookline.storage.format import FORMAT_VERSION
+
+from _storage_support import GID, HID, add_std_handles, record_value, write_std_run
+
+
+def test_write_is_fast_and_close_returns_stats(run_dir):
+    w = RunWriter(run_dir, max_buffer_mb=256)
+    add_std_handles(w)
+    arrs = [record_value(i, (64, 256)) for i in range(200)]
+    t = []
+    for i, a in enumerate(arrs):
+        t0 = time.perf_counter()
+        assert w.write(HID, i, 0, {"outputs.0": a}) is True
+        t.append(time.perf_counter() - t0)
+    assert np.median(t) < 200e-6, np.median(t)  # microseconds, no HDF5 on this thread
+    stats = w.close()
+    assert stats.handles[HID].records == 200 and stats.dropped == 0
+    assert stats.bytes == sum(a.nbytes for a in arrs)
+    assert w.close() is not None  # idempotent
+    with pytest.raises(WriterClosedError):
+        w.write(HID, 0, 0, {})
+    with pytest.raises(WriterClosedError):
+        w.flush()
+
+
+def test_layout_plain_h5py_and_manifest(run_dir):
+    w = write_std_run(run_dir, n=30, flush_every=7, meta={"lr": 0.1})
+    w.close()
+    files = sorted(p.relative_to(run_dir).as_posix() for p in run_dir.rglob("*") if p.is_file())
+    assert files == ["grads/blocks.0.h5", "manifest.json", "outputs/blocks.0.h5"]
+    with h5py.File(run_dir / "outputs/blocks.0.h5", "r") as f:
+        assert f.attrs["format_version"] == FORMAT_VERSION
+        assert f.attrs["handle_id"] == HID and f.attrs["module_name"] == "blocks.0"
+        assert f.attrs["category"] == "forward_hook" and f.attrs["hook_fn_name"] == "outputs"
+        assert json.loads(f.attrs["meta"]) == {"kind": "outputs"}
+        assert json.loads(f.attrs["run_meta"]) == {"lr": 0.1}
+        assert f["step"][:].tolist() == list(range(30))
+        assert f["call"][:].tolist() == [0] * 30
+        d = f["outputs.0"]
+        assert d.shape == (30, 8, 16) and d.maxshape == (None, 8, 16) and d.chunks is not None
+        assert d.attrs["dtype"] == "float32" and d.attrs["layout"] == "fixed"
+        assert np.array_equal(d[7], record_value(7))
+        assert f["_index/outputs.0/record"][:].tolist() == list(range(30))
+        assert np.allclose(f["_index/outputs.0/norm"][:], [np.linalg.norm(record_value(i)) for i in range(30)])
+        # ragged field: flat data + offsets + shapes, no padding
+        r = f["outputs.1"]
+        assert r.attrs["layout"] == "ragged" and r.shape == (sum(i % 5 + 1 for i in range(30)),)
+        off, shp = f["_index/outputs.1/offset"][:], f["_index/outputs.1/shape"][:]
+        assert np.array_equal(r[off[13] : off[13] + shp[13][0]], np.arange(4))
+    with h5py.File(run_dir / "grads/blocks.0.h5", "r") as f:
+        assert f["grad_out.0"].shape == (15, 8, 16)
+        assert f["_index/grad_out.0/record"][:].tolist() == list(range(0, 30, 2))
+    m = json.loads((run_dir / "manifest.json").read_text())
+    assert m["format"] == "hookline-run" and m["status"] == "closed" and m["meta"] == {"lr": 0.1}
+    e = m["handles"][HID]
+    assert e["file"] == "outputs/blocks.0.h5" and e["key"] == "outputs/blocks.0"
+    assert e["records"] == 30 and e["dropped"] == 0 and e["steps"] == [0, 29]
+    assert e["fields"] == {"outputs.0": {"dtype": "float32", "shape": [8, 16]},
+                           "outputs.1": {"dtype": "int64", "shape": None}}
+    assert m["handles"][GID]["fields"]["grad_out.0"]["shape"] == [8, 16]
+
+
+def test_absent_fields_and_reader_views(run_dir):
+    write_std_run(run_dir, n=10).close()
+    run = open_run(run_dir)
+    g = run[GID]
+    assert g.steps.tolist() == list(range(10)) and len(g) == 10
+    f = g["grad_out.0"]
+    assert len(f) == 5 and f.steps.tolist() == [0, 2, 4, 6, 8]
+    assert np.array_equal(f[2], record_value(-4))
+    assert f.at_step(3).shape == (0, 8, 16)
+    assert np.array_equal(f.at_step(4)[0], record_value(-4))
+
+
+def test_field_becomes_ragged_later(run_dir):
+    w = RunWriter(run_dir)
+    w.add_handle(HID)
+    shapes = [(4, 3)] * 50 + [(5, 3), (2, 3)] + [(4, 3)] * 20
+    for i, s in enumerate(shapes):
+        w.write(HID, i, 0, {"outputs.0": np.full(s, i, np.float32)})
+        if i == 30:
+            w.flush()
+    w.flush()
+    f = open_run(run_dir)[HID]["outputs.0"]  # segments: fixed then ragged
+    assert f.shape is None and len(f) == len(shapes)
+    assert all(f[i].shape == s and (f[i] == i).all() for i, s in enumerate(shapes))
+    w.close()
+    f = open_run(run_dir)[HID]["outputs.0"]
+    assert f.shape is None and [a.shape for a in f.read()] == shapes
+    with h5py.File(run_dir / "outputs/blocks.0.h5", "r") as h:
+        assert h["outputs.0"].attrs["layout"] == "ragged"
+        assert h["outputs.0"].shape == (sum(int(np.prod(s)) for s in shapes),)
+    m = json.loads((run_dir / "manifest.json").read_text())
+    assert m["handles"][HID]["fields"]["outputs.0"]["shape"] is None
+
+
+def test_zero_size_and_scalar_records(run_dir):
+    with RunWriter(run_dir) as w:
+        w.add_handle(HID)
+        w.write(HID, 0, 0, {"outputs.0": np.zeros((0, 4), np.float32), "outputs.1": np.float64(3.5) * np.ones(())})
+        w.write(HID, 1, 0, {"outputs.0": np.ones((2, 4), np.float32), "outputs.1": np.array(-1.0)})
+    h = open_run(run_dir)[HID]
+    assert h["outputs.0"][0].shape == (0, 4) and h["outputs.0"][1].shape == (2, 4)
+    assert h["outputs.1"].shape == () and h["outputs.1"].read().tolist() == [3.5, -1.0]
+    assert h["outputs.0"].norms().tolist() == [0.0, np.sqrt(8)]
+
+
+def test_argument_errors(run_dir):
+    with RunWriter(run_dir) as w:
+        w.add_handle(HID)
+        w.add_handle(HID, module_name="other")  # idempotent
+        with pytest.raises(UnknownNameError, match="add_handle"):
+            w.write("nope[x]", 0, 0, {})
+        w.write(HID, 0, 0, {"outputs.0": np.zeros(3, np.float32)})
+        with pytest.raises(InvalidArgumentError, match="changed dtype"):
+            w.write(HID, 1, 0, {"outputs.0": np.zeros(3, np.float64)})
+        with pytest.raises(InvalidArgumentError, match="ndim"):
+            w.write(HID, 1, 0, {"outputs.0": np.zeros((3, 1), np.float32)})
+        with pytest.raises(TypeError):
+            w.write(HID, 1.5, 0, {})
+    with pytest.raises(InvalidArgumentError, match="policy"):
+        RunWriter(run_dir, policy="wait")
+    with pytest.raises(InvalidArgumentError, match="compression"):
+        RunWriter(run_dir, compression="snappy")
+
+
+def test_drop_policy_counts_and_reports(run_dir):
+    w = RunWriter(run_dir, max_buffer_mb=2, policy="drop")
+    w.test_delay_s_per_mb = 0.05  # slow disk: 20 MB/s
+    w.add_handle(HID)
+    a = np.ones((256, 256), np.float32)  # 256 KiB
+    accepted = sum(w.write(HID, i, 0, {"outputs.0": a.copy()}) for i in range(100))
+    stats = w.close()
+    assert 0 < accepted < 100
+    assert stats.handles[HID].dropped == 100 - accepted and stats.dropped == 100 - accepted
+    assert stats.peak_buffer_bytes <= 2 << 20
+    m = json.loads((run_dir / "manifest.json").read_text())
+    assert m["handles"][HID]["dropped"] == 100 - accepted and m["dropped"] == 100 - accepted
+    assert len(open_run(run_dir)[HID]) == accepted
+
+
+def test_block_policy_bounds_memory(run_dir):
+    w = RunWriter(run_dir, max_buffer_mb=2, policy="block")
+    w.test_delay_s_per_mb = 0.02
+    w.add_handle(HID)
+    a = np.ones((128, 256), np.float32)  # 128 KiB
+    for i in range(80):
+        assert w.write(HID, i, 0, {"outputs.0": a * i})
+    stats = w.close()
+    assert stats.peak_buffer_bytes <= 2 << 20 and stats.blocked_seconds > 0
+    f = open_run(run_dir)[HID]["outputs.0"]
+    assert len(f) == 80 and np.array_equal(f[79], a * 79)
+
+
+def test_many_flushes_compact_and_merge(run_dir):
+    w = RunWriter(run_dir, fsync=False)
+    add_std_handles(w)
+    for i in range(200):
+        w.write(HID, i, i % 3, {"outputs.0": record_value(i), "outputs.1": np.arange(i % 4 + 1)})
+        w.flush()
+        if i == 120:  # mid-run: compaction keeps the number of segments small, reader sees all
+            time.sleep(0.2)
+            segs = list((run_dir / "outputs").glob("*.h5seg"))
+            assert len(segs) < 40
+            f = open_run(run_dir)[HID]["outputs.0"]
+            assert len(f) == 121 and np.array_equal(f[100], record_value(100))
+    w.close()
+    assert sorted(p.name for p in (run_dir / "outputs").iterdir()) == ["blocks.0.h5"]
+    h = open_run(run_dir)[HID]
+    assert h.calls.tolist() == [i % 3 for i in range(200)]
+    assert all(np.array_equal(h["outputs.0"][i], record_value(i)) for i in range(0, 200, 17))
+    assert [len(x) for x in h["outputs.1"].read()] == [i % 4 + 1 for i in range(200)]
+
+
+def test_continue_existing_run(run_dir):
+    write_std_run(run_dir, n=10).close()
+    w = RunWriter(run_dir)
+    add_std_handles(w)
+    for i in range(10, 15):
+        w.write(HID, i, 0, {"outputs.0": record_value(i)})
+    w.close()
+    h = open_run(run_dir)[HID]
+    assert h.steps.tolist() == list(range(15))
+    assert len(h["outputs.0"]) == 15 and len(h["outputs.1"]) == 10
+    assert np.array_equal(h["outputs.0"][12], record_value(12))
+    m = json.loads((run_dir / "manifest.json").read_text())
+    assert m["handles"][HID]["records"] == 15 and GID in m["handles"]
+
+
+@pytest.mark.parametrize("comp", ["gzip", "lzf", "zstd", "lz4"])
+def test_compression_round_trip(run_dir, comp):
+    x = np.maximum(np.random.default_rng(0).standard_normal((64, 128)), 0).astype(np.float32)
+    with RunWriter(run_dir, compression={"outputs.*": comp}) as w:
+        w.add_handle(HID)
+        for i in range(20):
+            w.write(HID, i, 0, {"outputs.0": x + i, "grad_in.0": x})
+    h = open_run(run_dir)[HID]
+    assert np.array_equal(h["outputs.0"][7], x + 7) and np.array_equal(h["grad_in.0"][3], x)
+    with h5py.File(run_dir / "outputs/blocks.0.h5", "r") as f:
+        assert f["outputs.0"].compression is not None or f["outputs.0"]._filters
+        assert not f["grad_in.0"]._filters
+
+
+def test_ranks_file_naming_and_reader_presents_together(tmp_path):
+    run = tmp_path / "run"
+    for r in range(2):
+        with RunWriter(run, rank=r, world_size=2) as w:
+            w.add_handle(HID)
+            for i in range(3):
+                w.write(HID, i, 0, {"outputs.0": np.full(4, 10 * r + i, np.float32)})
+    assert sorted(p.name for p in (run / "outputs").iterdir()) == ["blocks.0.rank0.h5", "blocks.0.rank1.h5"]
+    assert (run / "manifest.rank0.json").exists() and (run / "manifest.rank1.json").exists()
+    ro = open_run(run)
+    assert ro.handles == [HID] and ro.ranks == [0, 1]
+    h = ro[HID]
+    assert h.ranks.tolist() == [0, 0, 0, 1, 1, 1] and h.steps.tolist() == [0, 1, 2, 0, 1, 2]
+    assert h["outputs.0"].at_step(1)[:, 0].tolist() == [1.0, 11.0]
+    assert ro.handle(HID, rank=1)["outputs.0"][0][0] == 10.0
+
+
+def test_concurrent_writers_threads(run_dir):
+    w = RunWriter(run_dir, max_buffer_mb=4)
+    hids = [f"outputs[m{i}]" for i in range(4)]
+    for h in hids:
+        w.add_handle(h)
+
+    def work(h):
+        for i in range(100):
+            w.write(h, i, 0, {"outputs.0": np.full((32, 32), i, np.float32)})
+
+    ts = [threading.Thread(target=work, args=(h,)) for h in hids]
+    [t.start() for t in ts]
+    [t.join() for t in ts]
+    w.close()
+    run = open_run(run_dir)
+    for h in hids:
+        f = run[h]["outputs.0"]
+        assert len(f) == 100 and f[99][0, 0] == 99
