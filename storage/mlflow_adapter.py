@@ -79,6 +79,7 @@ SUMMARY_STATS = ("norm_max", "norm_last")
 #: ``mode="stats"`` fields other than ``.norm`` get no metric series of their own.
 _STATS_SUFFIXES = (".mean", ".std", ".min", ".max", ".absmax", ".hist")
 _RUN_ID = re.compile(r"^[0-9a-f]{32}$")
+_METRICS, _FILES, _FINAL = 0, 1, 2  # what a pass does: metrics+tags; + files present; + all files (final)
 _MANIFEST = re.compile(r"^manifest(?:\.rank(\d+))?\.json$")
 
 
@@ -265,61 +266,40 @@ def _norm_fields(fields: Iterable[str]) -> list[tuple[str, str, bool]]:
     return out
 
 
-def _record_norms(values: Any) -> np.ndarray:
-    """L2 norm of each record of a stacked array or a list of (ragged) arrays."""
-    if isinstance(values, np.ndarray) and values.dtype != object:
-        if values.ndim == 0:
-            values = values.reshape(1)
-        if values.shape[0] == 0:
-            return np.zeros(0, dtype=np.float64)
-        flat = values.reshape(values.shape[0], int(np.prod(values.shape[1:], dtype=np.int64)))
-        if flat.dtype.kind == "c":
-            flat = np.abs(flat)
-        return np.sqrt(np.sum(np.square(flat, dtype=np.float64), axis=1))
-    return np.array([float(np.linalg.norm(np.abs(np.asarray(v, dtype=None)).astype(np.float64).ravel())) for v in values])
+@dataclass
+class _Series:
+    """New norm points of one field: entries whose handle record index is >= the watermark."""
+
+    base: str  # metric base name (field name, without ``.norm`` for stats-mode fields)
+    records: np.ndarray  # handle record index of each new entry (-> deterministic timestamps)
+    steps: np.ndarray
+    norms: np.ndarray
+    all_norms: np.ndarray  # every entry (for the summaries)
+    all_steps: np.ndarray
+    all_records: np.ndarray
 
 
-def _read_norms(run_dir: Path, entry: dict, handle_id: str, fields: list[tuple[str, str, bool]],
-                start: int) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-    """Steps and per-field norms of the records ``start:`` of one handle file.
-
-    Uses the storage reader (``open_run(run_dir)[handle_id][field].norms()``) when it is present,
-    else plain h5py on the handle file.
-    """
-    try:
-        from .reader import open_run  # type: ignore[attr-defined]
-    except ImportError:
-        open_run = None
-    if open_run is not None:
-        run = open_run(run_dir)
-        try:
-            h = run[handle_id]
-            steps = np.asarray(h.steps)
-            norms = {}
-            for f, _base, is_norm in fields:
-                fld = h[f]
-                if is_norm:
-                    vals = np.abs(np.asarray(fld.read(), dtype=np.float64)).reshape(len(fld), -1)[:, 0]
-                elif hasattr(fld, "norms"):
-                    vals = np.asarray(fld.norms(), dtype=np.float64)
-                else:
-                    vals = _record_norms(fld.read())
-                norms[f] = vals[start:]
-            return steps[start:], norms
-        finally:
-            close = getattr(run, "close", None)
-            if close is not None:
-                close()
-    import h5py  # fallback: plain layout (step dataset + one dataset per field at the root)
-
-    with h5py.File(run_dir / entry["file"], "r") as f:
-        steps = np.asarray(f["step"][start:])
-        norms = {}
-        for name, _base, is_norm in fields:
-            data = np.asarray(f[name][start:])
-            norms[name] = (np.abs(data.astype(np.float64)).reshape(len(data), -1)[:, 0] if is_norm and len(data)
-                           else _record_norms(data))
-        return steps, norms
+def _read_series(run: Any, handle_id: str, rank: int | None, fields: list[tuple[str, str, bool]],
+                 start: int) -> tuple[int, list[_Series]]:
+    """Handle record count and the per-field norm series of records ``start:`` (storage reader)."""
+    h = run.handle(handle_id, rank=rank) if rank is not None else run.handle(handle_id)
+    n = len(h)
+    out = []
+    present = set(h.fields)
+    for name, base, is_norm in fields:
+        if name not in present:
+            continue
+        fld = h[name]
+        recs = np.asarray(fld.records, dtype=np.int64)
+        if is_norm:  # mode="stats": the stored value is the norm
+            vals = np.abs(np.asarray(fld.read(), dtype=np.float64).reshape(len(fld), -1)[:, 0]) if len(fld) \
+                else np.zeros(0)
+        else:
+            vals = np.asarray(fld.norms(), dtype=np.float64)
+        steps = np.asarray(fld.steps, dtype=np.int64)
+        new = recs >= start
+        out.append(_Series(base, recs[new], steps[new], vals[new], vals, steps, recs))
+    return n, out
 
 
 # --------------------------------------------------------------------------------------------
@@ -339,6 +319,7 @@ class SyncReport:
         tags: number of tags sent.
         errors: one line per failure (empty when everything succeeded).
         seconds: wall time of the pass(es).
+        pending: files not uploaded yet because the writer has not finished them (mid-run passes).
     """
 
     run_id: str
@@ -348,6 +329,7 @@ class SyncReport:
     tags: int = 0
     errors: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    pending: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -362,6 +344,7 @@ class SyncReport:
         self.tags += other.tags
         self.errors += other.errors
         self.seconds += other.seconds
+        self.pending += other.pending
 
     def error(self, run_dir: Path | str | None = None) -> TrackingError:
         """A :class:`TrackingError` describing the failures, with the command that repairs them."""
@@ -463,7 +446,7 @@ class MlflowAdapter:
         self._client_lock = threading.Lock()
         self._pass_lock = threading.Lock()  # one pass at a time (background or synchronous)
         self._cond = threading.Condition()
-        self._pending: dict[Path, bool] = {}  # run_dir -> upload files?
+        self._pending: dict[Path, int] = {}  # run_dir -> mode: 0 metrics+tags, 1 + files, 2 final
         self._busy = False
         self._thread: threading.Thread | None = None
         self._seen: list[Path] = []
@@ -472,7 +455,6 @@ class MlflowAdapter:
         self._closed = False
         self._final: SyncReport | None = None
         self._hashes: dict[Path, tuple] = {}
-        self._maxes: dict[tuple, tuple[int, float]] = {}  # (rank, handle, field) -> (records, max)
         _LIVE.add(self)
         _hook_exit()
 
@@ -508,7 +490,7 @@ class MlflowAdapter:
         path = Path(run_dir)
         self._remember(path)
         with self._pass_lock:
-            report = self._pass(path, artifacts)
+            report = self._pass(path, _FINAL if artifacts else _METRICS)
         if not report.ok:
             raise report.error(path)
         return report
@@ -531,7 +513,7 @@ class MlflowAdapter:
         self._remember(path)
         up = self.upload_on_submit if artifacts is None else bool(artifacts)
         with self._cond:
-            self._pending[path] = self._pending.get(path, False) or up
+            self._pending[path] = max(self._pending.get(path, _METRICS), _FILES if up else _METRICS)
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._worker, name=f"hookline-mlflow-{self.run_id[:8]}",
                                                 daemon=True)
@@ -587,7 +569,7 @@ class MlflowAdapter:
             if self._seen:
                 with self._cond:
                     for d in self._seen:
-                        self._pending[d] = True
+                        self._pending[d] = _FINAL
                     if self._thread is None or not self._thread.is_alive():
                         self._thread = threading.Thread(target=self._worker, name="hookline-mlflow", daemon=True)
                         self._thread.start()
@@ -641,11 +623,11 @@ class MlflowAdapter:
 
     # -- one pass -----------------------------------------------------------------------------
 
-    def _pass(self, run_dir: Path, artifacts: bool) -> SyncReport:
+    def _pass(self, run_dir: Path, mode: int) -> SyncReport:
         t0 = time.perf_counter()
         report = SyncReport(self.run_id)
         try:
-            self._pass_inner(run_dir, artifacts, report)
+            self._pass_inner(run_dir, mode, report)
         except (UnknownNameError, FormatError):
             raise
         except Exception as e:  # noqa: BLE001 - collected into the report
@@ -655,7 +637,7 @@ class MlflowAdapter:
             log.warning("hookline: MLflow sync of %s to run %s: %s", run_dir, self.run_id, "; ".join(report.errors))
         return report
 
-    def _pass_inner(self, run_dir: Path, artifacts: bool, report: SyncReport) -> None:
+    def _pass_inner(self, run_dir: Path, mode: int, report: SyncReport) -> None:
         from mlflow.entities import Metric, RunTag
 
         manifests = _load_manifests(run_dir, self.rank)
@@ -670,11 +652,16 @@ class MlflowAdapter:
             for hid, entry in sorted(man.get("handles", {}).items()):
                 plans.append((man, rank, hid, entry))
                 rel = entry.get("file")
-                if not artifacts or not rel:
+                if mode == _METRICS or not rel:
                     continue
                 local = run_dir / rel
                 if not local.is_file():
-                    report.errors.append(f"handle {hid!r}: file {str(local)!r} is missing (run `hookline verify`)")
+                    if mode == _FINAL:
+                        report.errors.append(
+                            f"handle {hid!r}: file {str(local)!r} is missing (the writer is still running, or was "
+                            "killed: close it, or run `hookline verify` to repair the run, then sync again)")
+                    else:
+                        report.pending.append(f"{ARTIFACT_ROOT}/{Path(rel).as_posix()}")
                     continue
                 apath = f"{ARTIFACT_ROOT}/{Path(rel).as_posix()}"
                 digest = _file_digest(local, self._hashes)
@@ -684,6 +671,7 @@ class MlflowAdapter:
                 else:
                     uploads.append((apath, local, digest, skey))
         pool, futures = self._start_uploads(uploads)
+        run = None
         try:
             # 2. metrics: norm series for the records not logged yet, summaries
             metrics: list[Any] = []
@@ -697,35 +685,32 @@ class MlflowAdapter:
                     done = int(tags_now.get(rkey, "0"))
                 except ValueError:
                     done = 0
-                if fields:
-                    steps_new, norms = _read_norms_safe(run_dir, entry, hid, fields, done, report)
-                    if steps_new is None:
+                n_total = int(entry.get("records", 0) or 0)
+                if fields and n_total:
+                    if run is None:
+                        from .reader import open_run
+
+                        run = open_run(run_dir)
+                    try:
+                        n_total, series = _read_series(run, hid, man.get("rank"), fields, done)
+                    except Exception as e:  # noqa: BLE001 - a broken file must not stop the others
+                        report.errors.append(f"handle {hid!r}: reading norms failed: {_short(e)} "
+                                             "(run `hookline verify` on the run directory)")
                         continue
-                    n_total = done + len(steps_new)
-                    if len(steps_new):
-                        last_step = int(steps_new[-1])
-                        ts = created + n_total
-                        for f, base, _ in fields:
-                            vals = np.asarray(norms[f], dtype=np.float64)
-                            key = metric_key(hid, base, "norm", rank=rank)
-                            metrics.extend(Metric(key, float(v), created + done + i, int(s))
-                                           for i, (s, v) in enumerate(zip(steps_new, vals)))
-                            # running max over all records: from memory when this adapter logged
-                            # the earlier records, else from the already-logged summary metric
-                            mem = self._maxes.get((rank, hid, f))
-                            prev = mem[1] if mem is not None and mem[0] == done else (
-                                _prev_max(client, self.run_id, metric_key(hid, base, "norm_max", rank=rank))
-                                if done else float("nan"))
-                            finite = vals[~np.isnan(vals)]
-                            cand = [x for x in (prev, float(finite.max()) if finite.size else float("nan"))
-                                    if not np.isnan(x)]
-                            vmax = max(cand) if cand else float("nan")
-                            self._maxes[(rank, hid, f)] = (n_total, vmax)
-                            metrics.append(Metric(metric_key(hid, base, "norm_max", rank=rank), vmax, ts, last_step))
-                            metrics.append(Metric(metric_key(hid, base, "norm_last", rank=rank), float(vals[-1]),
-                                                  ts, last_step))
-                else:
-                    n_total = int(entry.get("records", 0) or 0)
+                    for sr in series:
+                        if not len(sr.steps):
+                            continue
+                        key = metric_key(hid, sr.base, "norm", rank=rank)
+                        metrics.extend(Metric(key, float(v), created + int(r), int(st))
+                                       for r, st, v in zip(sr.records, sr.steps, sr.norms))
+                        # summaries over all entries, at the last entry's step and (deterministic)
+                        # timestamp: a repeat is an identical point, which the store drops
+                        finite = sr.all_norms[~np.isnan(sr.all_norms)]
+                        vmax = float(finite.max()) if finite.size else float("nan")
+                        ts, st = created + int(sr.all_records[-1]), int(sr.all_steps[-1])
+                        metrics.append(Metric(metric_key(hid, sr.base, "norm_max", rank=rank), vmax, ts, st))
+                        metrics.append(Metric(metric_key(hid, sr.base, "norm_last", rank=rank),
+                                              float(sr.all_norms[-1]), ts, st))
                 tags.update(self._handle_tags(hid, entry, rank, n_total))
                 t = _type_name(entry.get("module_type"))
                 if t:
@@ -737,6 +722,8 @@ class MlflowAdapter:
                     raise TrackingError(f"logging {len(metrics)} metric points failed: {_short(e)}") from e
                 report.metrics += len(metrics)
         finally:
+            if run is not None:
+                run.close()
             results = self._finish_uploads(pool, futures)
         for (apath, _local, digest, skey), err in zip(uploads, results):
             if err is None:
@@ -765,7 +752,7 @@ class MlflowAdapter:
                 raise TrackingError(f"logging {len(changed)} tags failed: {_short(e)}") from e
             report.tags += len(changed)
         # 4. manifests last (after the files they describe)
-        if artifacts and not report.errors:
+        if mode != _METRICS and not report.errors and not report.pending:
             mtags = {}
             for mpath, _man in manifests:
                 digest = _file_digest(mpath, self._hashes)
@@ -842,26 +829,6 @@ class MlflowAdapter:
         return errs
 
 
-def _prev_max(client: Any, run_id: str, key: str) -> float:
-    """The latest logged value of a ``norm_max`` metric (NaN when there is none)."""
-    try:
-        hist = client.get_metric_history(run_id, key)
-    except Exception as e:  # noqa: BLE001
-        raise TrackingError(f"reading metric {key!r} of run {run_id!r} failed: {_short(e)}") from e
-    if not hist:
-        return float("nan")
-    return float(max(hist, key=lambda m: (m.step, m.timestamp)).value)
-
-
-def _read_norms_safe(run_dir: Path, entry: dict, hid: str, fields: list, start: int,
-                     report: SyncReport) -> tuple[Any, Any]:
-    try:
-        return _read_norms(run_dir, entry, hid, fields, start)
-    except Exception as e:  # noqa: BLE001 - a broken file must not stop the other handles
-        report.errors.append(f"handle {hid!r}: reading norms failed: {_short(e)} (run `hookline verify`)")
-        return None, None
-
-
 def _version() -> str:
     try:
         from importlib.metadata import version
@@ -899,7 +866,7 @@ def sync(run_dir: str | os.PathLike, run_id: str, *, tracking_uri: str | None = 
         path = Path(run_dir)
         adapter._remember(path)
         with adapter._pass_lock:
-            return adapter._pass(path, True)
+            return adapter._pass(path, _FINAL)
     finally:
         adapter._closed = True
         adapter._final = adapter._report

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from _mlflow_support import LINEAR, RELU, HandleSpec, build_run, sha256
+from _mlflow_support import LINEAR, RELU, HandleSpec, append_records, build_run, sha256
 
 from hookline.storage import InvalidArgumentError, TrackingError, UnknownNameError, handle_key
 from hookline.storage.mlflow_adapter import (
@@ -207,21 +207,15 @@ def test_open_run_from_mlflow_downloads_only_what_is_read(store, new_run, tmp_pa
     assert {h for m in src.manifests() for h in m["handles"]} == set(built.data)
     files = lambda: sorted(p.relative_to(cache / rid).as_posix() for p in (cache / rid).rglob("*.h5"))  # noqa: E731
     assert files() == []
-    try:
-        from hookline.storage import open_run
-    except (ImportError, AttributeError):
-        open_run = None
-    if open_run is not None:
-        run = open_run(f"runs:/{rid}", tracking_uri=store, cache_dir=cache)
+    from hookline.storage import open_run
+
+    with open_run(f"runs:/{rid}", tracking_uri=store, cache_dir=cache) as run:
         assert sorted(run.handles) == sorted(built.data)
+        assert files() == []
         h = run["grads[blocks.0]"]
         np.testing.assert_array_equal(h.steps, built.steps["grads[blocks.0]"])
         np.testing.assert_array_equal(h["grad_out.0"].read(), built.data["grads[blocks.0]"])
-    else:
-        import h5py
-
-        with h5py.File(src.path("grads/blocks.0.h5"), "r") as f:
-            np.testing.assert_array_equal(f["grad_out.0"][()], built.data["grads[blocks.0]"])
+        np.testing.assert_array_equal(h["grad_out.0"][2], built.data["grads[blocks.0]"][2])
     assert files() == ["hookline/grads/blocks.0.h5"]
     assert not list((cache / rid).glob(".partial/*"))  # no stray temp dirs
     # second access reuses the cache
@@ -314,16 +308,21 @@ def test_server_killed_mid_run_then_sync_completes_without_duplicates(mlflow_ser
     server = mlflow_server_factory()
     client = MlflowClient(server.uri)
     rid = client.create_run(client.create_experiment("kill")).info.run_id
-    built = build_run(tmp_path / "run", SPECS, records=4)
+    built = build_run(tmp_path / "run", SPECS, records=8, upto=4, close=False)  # training: 4 steps flushed
     adapter = MlflowAdapter(rid, tracking_uri=server.uri)
-    adapter.submit(built.path)  # mid-run pass: metrics + tags
-    assert adapter.wait(timeout=60).ok
-    before = {p: sha256(p) for p in built.path.rglob("*") if p.is_file()}
+    adapter.submit(built.path)  # mid-run pass (the writer is open): metrics + tags of 4 records
+    rep = adapter.wait(timeout=60)
+    assert rep.ok and rep.metrics > 0 and rep.uploaded == []
+    assert len(client.get_metric_history(rid, metric_key("grads[blocks.0]", "grad_out.0"))) == 4
 
     server.kill()
+    append_records(built, built.writer, 4, 8)  # training goes on while the server is down
+    built.writer.flush()
     t0 = time.perf_counter()
     adapter.submit(built.path)  # the training thread never sees the failure
     assert time.perf_counter() - t0 < 0.05
+    built.writer.close()
+    before = {p: sha256(p) for p in built.path.rglob("*") if p.is_file()}
     with pytest.raises(TrackingError, match=f"hookline sync .* --run-id {rid}") as ei:
         adapter.close(timeout=120)
     assert ei.value.report.errors
@@ -341,7 +340,25 @@ def test_server_killed_mid_run_then_sync_completes_without_duplicates(mlflow_ser
     for hid in built.data:
         hist = _history(client, rid, metric_key(hid, built.fields[hid]))
         assert [s for s, _ in hist] == list(built.steps[hid])  # every step exactly once
-        assert len(client.get_metric_history(rid, metric_key(hid, built.fields[hid], "norm_max"))) == 1
+        # the running max has one point per pass that saw new records (steps 30 and 70), none twice
+        mx = _history(client, rid, metric_key(hid, built.fields[hid], "norm_max"))
+        assert [s for s, _ in mx] == [30, 70]
+        assert mx[-1][1] == pytest.approx(built.norms(hid).max(), rel=1e-6)
     tags = client.get_run(rid).data.tags
-    assert tags[tag_key("grads[blocks.0]", "records")] == "4"
+    assert tags[tag_key("grads[blocks.0]", "records")] == "8"
     assert tags[tag_key("grads[blocks.0]", "artifact")] == "hookline/grads/blocks.0.h5"
+
+
+def test_pending_uploads_are_flushed_at_interpreter_exit(sqlite_tracking_uri, tmp_path):
+    from mlflow import MlflowClient
+
+    client = MlflowClient(sqlite_tracking_uri)
+    rid = client.create_run("0").info.run_id
+    built = build_run(tmp_path / "run", SPECS, records=3)
+    code = (f"from hookline.storage import MlflowAdapter\n"
+            f"a = MlflowAdapter({rid!r}, tracking_uri={sqlite_tracking_uri!r})\n"
+            f"a.submit({str(built.path)!r})\n")  # no wait(), no close(): the exit hook must finish
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert {a.path for a in client.list_artifacts(rid, "hookline")} >= {"hookline/manifest.json"}
+    assert len(client.get_metric_history(rid, metric_key("grads[blocks.0]", "grad_out.0"))) == 3
