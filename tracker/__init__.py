@@ -32,3 +32,7 @@ __all__ = [
 ]
 
 # Recorder is re-exported below by the capture module.
+from .recorder import Recorder, RecorderSummary  # noqa: E402
+from .stats import StatsSpec  # noqa: E402
+
+__all__ += ["Recorder", "RecorderSummary", "StatsSpec"]
