@@ -408,8 +408,11 @@ class HookManager:
         Raises:
             UnknownNameError: it is not registered (any more).
         """
-        for h in self._select(None, [fn], "all"):
-            h.remove()
+        for hook_fn in self._hook_fns([fn]):  # type: ignore[union-attr]
+            for handle in list(hook_fn.module_to_handle.values()):
+                handle.remove()
+            if self.name_to_hookfn.get(hook_fn.name) is hook_fn:  # registered on no module
+                del self.name_to_hookfn[hook_fn.name]
 
     def remove_hook_function_by_name(self, hook_fn_name: str) -> None:
         """Remove the hook function registered as ``hook_fn_name`` from every module."""
