@@ -11,6 +11,8 @@ from .options import (
     clean_json,
     console,
     echo_json,
+    esc,
+    plain,
     fmt_num,
     json_option,
     open_run_arg,
@@ -27,39 +29,60 @@ _STATUS_TEXT = {
     "missing_in_b": "[yellow]missing in B[/]",
     "shape_mismatch": "[red]shape mismatch[/]",
     "no_common_steps": "[yellow]no common steps[/]",
+    "unreadable": "[red]unreadable[/]",
 }
 
 
+def _extreme_ratio(values) -> float | None:
+    import numpy as np
+
+    v = np.asarray(values, float)
+    v = v[np.isfinite(v) & (v > 0)]
+    if v.size == 0:
+        return None
+    return float(v[np.argmax(np.abs(np.log(v)))])
+
+
 def metric_cell(r: Any, metric: str) -> str:
-    """Table cell of one metric: mean, and the worst value over steps in parentheses."""
+    """Table cell of one metric: mean over steps / worst step (cosine: min, rel_l2: max,
+    norm_ratio: the value farthest from 1)."""
     s = r.summary(metric)
     if s["mean"] is None:
         return "-"
     if metric == "cosine":
-        return f"{fmt_num(s['mean'])} (min {fmt_num(s['min'])})"
-    if metric == "rel_l2":
-        return f"{fmt_num(s['mean'])} (max {fmt_num(s['max'])})"
-    return f"{fmt_num(s['mean'])} ({fmt_num(s['min'], 3)}–{fmt_num(s['max'], 3)})"
+        worst = s["min"]
+    elif metric == "rel_l2":
+        worst = s["max"]
+    else:
+        worst = _extreme_ratio(r.values[metric])
+    return f"{fmt_num(s['mean'], 3)}/{fmt_num(worst, 3)}"
+
+
+HEADERS = {"cosine": "cosine\nmean/min", "rel_l2": "rel_l2\nmean/max", "norm_ratio": "norm_ratio\nmean/extreme"}
 
 
 def render_table(results: Sequence[Any], metrics: Sequence[str], *, title: str | None = None) -> None:
+    from rich import box
     from rich.table import Table
 
-    table = Table(title=title, title_justify="left", expand=False, pad_edge=False)
-    table.add_column("handle", overflow="fold", ratio=3)
-    table.add_column("field", overflow="fold", ratio=2)
+    table = Table(box=box.SIMPLE_HEAD, show_edge=False, collapse_padding=True, title=title, title_justify="left", pad_edge=False)
+    table.add_column("handle", overflow="fold", min_width=12)
+    table.add_column("field", overflow="fold", min_width=8)
     table.add_column("steps", justify="right", no_wrap=True)
-    headers = {"cosine": "cosine mean (min)", "rel_l2": "rel_l2 mean (max)", "norm_ratio": "norm_ratio mean (range)"}
     for m in metrics:
-        table.add_column(headers[m], justify="right", overflow="fold")
-    table.add_column("status", overflow="fold")
+        table.add_column(HEADERS[m], justify="right", no_wrap=True)
+    with_status = any(r.status != "ok" or r.mismatched for r in results)
+    if with_status:
+        table.add_column("status", overflow="fold", min_width=6)
     for r in results:
-        cells = [r.handle, r.field or "-", str(len(r.steps)) if r.status != "missing_in_a" and r.status != "missing_in_b" else "-"]
+        missing = r.status in ("missing_in_a", "missing_in_b", "unreadable")
+        cells = [plain(r.handle), plain(r.field or "-"), "-" if missing else str(len(r.steps))]
         cells += [metric_cell(r, m) for m in metrics]
-        status = _STATUS_TEXT.get(r.status, r.status)
+        status = _STATUS_TEXT.get(r.status, esc(r.status))
         if r.status == "ok" and r.mismatched:
             status = f"[yellow]ok, {r.mismatched} skipped[/]"
-        cells.append(status)
+        if with_status:
+            cells.append(status)
         table.add_row(*cells)
     console().print(table)
 
@@ -71,7 +94,7 @@ def render_problems(results: Sequence[Any]) -> None:
     c = console()
     for r in notes:
         where = r.handle + (f" {r.field}" if r.field else "")
-        c.print(f"[yellow]note:[/] {where}: {r.message}", soft_wrap=True, markup=True, highlight=False)
+        c.print(f"[yellow]note:[/] {esc(where)}: {esc(r.message)}", soft_wrap=True, markup=True, highlight=False)
 
 
 @click.command(context_settings=CONTEXT_SETTINGS, short_help='Compare two runs: cosine, rel_l2, norm_ratio per handle/field/step.')
@@ -126,7 +149,7 @@ def compare(run_a: str, run_b: str, handles: tuple[str, ...], fields: tuple[str,
         d["plot"] = plot
         echo_json(clean_json(d))
         return
-    render_table(results, ms, title=f"A = {run_a}\nB = {run_b}")
+    render_table(results, ms, title=f"A = {esc(run_a)}\nB = {esc(run_b)}")
     render_problems(results)
     if plot:
         click.echo(f"plot written to {plot}")

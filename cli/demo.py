@@ -10,7 +10,7 @@ from typing import Any
 
 import click
 
-from .options import CONTEXT_SETTINGS, console, human_bytes, progress_bar, quiet_option
+from .options import CONTEXT_SETTINGS, console, esc, human_bytes, progress_bar, quiet_option
 
 EXPERIMENT = "hookline-demo"
 DEMO_TAG = "hookline.demo"
@@ -48,7 +48,12 @@ def train_one(run_dir: Path, lr: float, steps: int, every: int, *, mlflow_run_id
     Linear layers' outputs and gradients every ``every`` steps. Returns (losses, summary, error)."""
     import torch
 
-    from hookline.tracker import HookManager, Recorder, select
+    try:
+        from hookline.tracker import HookManager, Recorder, select
+    except ImportError:  # older tracker/__init__ without the re-exports
+        from hookline.tracker.manager import HookManager
+        from hookline.tracker.recorder import Recorder
+        from hookline.tracker.select import select
 
     torch.manual_seed(0)
     model = _model()
@@ -73,7 +78,7 @@ def train_one(run_dir: Path, lr: float, steps: int, every: int, *, mlflow_run_id
                 opt.zero_grad()
                 loss.backward()
             opt.step()
-            losses.append(float(loss))
+            losses.append(loss.item())
             advance(1)
     finally:
         try:
@@ -161,7 +166,7 @@ def demo(out: str, tracking_uri: str | None, steps: int, every: int, no_mlflow: 
     c.print(f"hookline demo: training an MLP (16-64-64-1) twice on synthetic data, {steps} steps each, "
             f"recording outputs and gradients of {', '.join(LAYERS)} every {every} steps", soft_wrap=True)
     if mlflow_note:
-        c.print(f"[yellow]warning:[/] {mlflow_note}", soft_wrap=True)
+        c.print(f"[yellow]warning:[/] {esc(mlflow_note)}", soft_wrap=True)
 
     runs: list[dict[str, Any]] = []
     t0 = time.perf_counter()
@@ -191,15 +196,15 @@ def demo(out: str, tracking_uri: str | None, steps: int, every: int, no_mlflow: 
         size = human_bytes(getattr(s, "bytes", None)) if s is not None else "?"
         nh = len(getattr(s, "handles", {}) or {}) if s is not None else "?"
         c.print(f"  run {r['label']} (lr={r['lr']}, final loss {r['losses'][-1]:.4f}): {r['dir']}  "
-                f"[{nh} handles, {size}]", soft_wrap=True, highlight=False)
+                f"[{nh} handles, {size}]", soft_wrap=True, highlight=False, markup=False)
 
     if client is not None:
-        c.print(f"\n[bold]MLflow[/]: tracking URI {resolved_uri}, experiment \"{EXPERIMENT}\"", soft_wrap=True)
+        c.print(f"\n[bold]MLflow[/]: tracking URI {esc(resolved_uri)}, experiment \"{EXPERIMENT}\"", soft_wrap=True)
         for r in runs:
             line = f"  run {r['label']}: run id {r['run_id']}"
             if r["error"]:
-                line += (f"  [yellow]upload failed: {r['error'][:200]}[/]; local data are complete, "
-                         f"upload later: hookline sync {r['dir']} --run-id {r['run_id']}")
+                line += (f"  [yellow]upload failed: {esc(r['error'][:200])}[/]; local data are complete, "
+                         f"upload later: hookline sync {esc(r['dir'])} --run-id {r['run_id']}")
             c.print(line, soft_wrap=True, highlight=False)
         filt = _search_filter(session)
         c.print("  find both runs with the search filter:", soft_wrap=True)
@@ -207,7 +212,8 @@ def demo(out: str, tracking_uri: str | None, steps: int, every: int, no_mlflow: 
         c.print(f"  e.g. mlflow.search_runs(experiment_names=[\"{EXPERIMENT}\"], filter_string=\"{filt}\")",
                 soft_wrap=True, highlight=False, markup=False)
         c.print(f"  or:  hookline runs --experiment {EXPERIMENT}"
-                + (f" --tracking-uri {tracking_uri}" if tracking_uri else ""), soft_wrap=True, highlight=False)
+                + (f" --tracking-uri {tracking_uri}" if tracking_uri else ""), soft_wrap=True, highlight=False,
+                markup=False)
 
     a, b = runs
     result = compare_runs(open_run(a["dir"]), open_run(b["dir"]), handles="grads[*]", fields="grad_out.0")
@@ -222,7 +228,7 @@ def demo(out: str, tracking_uri: str | None, steps: int, every: int, no_mlflow: 
     plot_comparison(result.results, png, metrics=result.metrics,
                     title=f"hookline demo: gradients of run B (lr={b['lr']}) vs run A (lr={a['lr']}), per layer",
                     label_a=str(a["dir"]), label_b=str(b["dir"]))
-    c.print(f"\n[bold]Plot[/]: {png}", soft_wrap=True, highlight=False)
+    c.print(f"\n[bold]Plot[/]: {esc(png)}", soft_wrap=True, highlight=False)
     c.print("\nNext:", soft_wrap=True)
     c.print(f"  hookline show {a['dir']}\n  hookline show {a['dir']} 'grads[fc1]'\n"
             f"  hookline compare {a['dir']} {b['dir']} --handle 'outputs[*]' --plot outputs.png",

@@ -65,6 +65,11 @@ def export(run: str, handle: str, field: str, fmt: str, out: str, steps_spec: st
         raise click.ClickException(f"output {out!r} exists; pass --force to overwrite it")
     r = open_run_arg(run, tracking_uri)
     h = r[handle]
+    from hookline.storage.compare import damage_note
+
+    note = damage_note(h)
+    if note and field not in h.fields:
+        raise click.ClickException(f"cannot export {field!r}: {note}")
     f = h[field]
     steps, calls = _index(h, f)
     idx = np.arange(len(steps))

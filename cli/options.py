@@ -41,11 +41,6 @@ def tracking_uri_option(fn: Callable) -> Callable:
     )(fn)
 
 
-def run_options(fn: Callable) -> Callable:
-    """``--tracking-uri`` for commands that take RUN arguments."""
-    return tracking_uri_option(fn)
-
-
 # --------------------------------------------------------------------------------------------
 # runs
 # --------------------------------------------------------------------------------------------
@@ -68,16 +63,10 @@ def open_run_arg(run: str, tracking_uri: str | None = None) -> Any:
     from hookline.storage import open_run
 
     src = run_source(run)
-    if os.path.exists(src) and not os.path.isdir(src):
-        raise click.ClickException(f"run {run!r} is a file, not a run directory (give the directory that holds manifest.json)")
     kwargs: dict[str, Any] = {}
     if tracking_uri is not None:
         kwargs["tracking_uri"] = tracking_uri
     return open_run(src, **kwargs)
-
-
-def run_label(run: Any, given: str) -> str:
-    return given
 
 
 # --------------------------------------------------------------------------------------------
@@ -99,6 +88,20 @@ def console(stderr: bool = False):
         # Not a terminal: honour $COLUMNS, else a generous width so nothing is cut in logs.
         width = int(os.environ.get("COLUMNS", 0) or 0) or 120
     return Console(stderr=stderr, width=width, highlight=False, soft_wrap=False)
+
+
+def plain(value: Any):
+    """A table cell / print argument shown verbatim (no rich markup: handle ids contain [...])."""
+    from rich.text import Text
+
+    return Text("-" if value is None else str(value))
+
+
+def esc(value: Any) -> str:
+    """Escape rich markup in a value embedded in a markup string."""
+    from rich.markup import escape
+
+    return escape(str(value))
 
 
 def echo_json(obj: Any) -> None:

@@ -55,30 +55,29 @@ def plot_comparison(
     ncols = 1 if n == 1 else 2 if n in (2, 4) else 3
     nrows = math.ceil(n / ncols)
     fig, axes = plt.subplots(
-        nrows, ncols, figsize=(5.2 * ncols, 3.4 * nrows + 0.9), squeeze=False, sharex=True
+        nrows, ncols, figsize=(5.2 * ncols, 3.1 * nrows + 1.0), squeeze=False, sharex=True,
+        layout="constrained",
     )
     flat = axes.ravel()
-    legend: dict[str, Any] = {}
+    field_styles: dict[str, str] = {}
+    multi_field = False
     for ax, h in zip(flat, handles):
         fields = by_handle[h]
-        for fi, r in enumerate(fields):
+        multi_field |= len(fields) > 1
+        for r in fields:
+            ls = field_styles.setdefault(str(r.field), _FIELD_STYLES[len(field_styles) % len(_FIELD_STYLES)])
+            mk = _MARKERS[list(field_styles).index(str(r.field)) % len(_MARKERS)]
             x = _x(r.steps, r.calls)
             for m in metrics:
                 y = r.values.get(m)
-                if y is None:
-                    continue
-                style = _METRIC_STYLE[m]
-                (line,) = ax.plot(
-                    x, y, _FIELD_STYLES[fi % len(_FIELD_STYLES)], color=style["color"],
-                    marker=_MARKERS[fi % len(_MARKERS)], markersize=3, linewidth=1.6,
-                )
-                key = style["label"] + (f"  [{r.field}]" if len(fields) > 1 else "")
-                legend.setdefault(key, line)
+                if y is not None:
+                    ax.plot(x, y, linestyle=ls, color=_METRIC_STYLE[m]["color"], marker=mk, markersize=3,
+                            linewidth=1.6)
         ax.set_title(h if len(fields) > 1 else f"{h}  ·  {fields[0].field}", fontsize=10)
         ax.grid(True, alpha=0.3)
-        if "cosine" in metrics:
+        if "cosine" in metrics or "norm_ratio" in metrics:
             ax.axhline(1.0, color="#999999", linewidth=0.8, zorder=0)
-        if "rel_l2" in metrics and len(metrics) == 1:
+        if "rel_l2" in metrics:
             ax.axhline(0.0, color="#999999", linewidth=0.8, zorder=0)
     for ax in flat[len(handles):]:
         ax.set_visible(False)
@@ -90,14 +89,20 @@ def plot_comparison(
     for ax in axes[-1]:
         ax.set_xlabel("step")
     for row in axes:
-        row[0].set_ylabel(metrics[0] if len(metrics) == 1 else "value")
-    head = title or f"{label_a}  vs  {label_b}"
-    fig.suptitle(head, fontsize=11)
-    if legend:
-        fig.legend(list(legend.values()), list(legend.keys()), loc="lower center",
-                   ncol=min(3, len(legend)), fontsize=9, frameon=False)
-    bottom = 0.9 / (3.4 * nrows + 0.9) + (0.03 if len(legend) > 3 else 0.0)
-    fig.tight_layout(rect=(0, bottom + 0.02, 1, 0.95))
+        row[0].set_ylabel(metrics[0] if len(metrics) == 1 else "metric value")
+    fig.suptitle(title or f"A = {label_a}   vs   B = {label_b}", fontsize=11)
+    from matplotlib.lines import Line2D
+
+    proxies = [Line2D([], [], color=_METRIC_STYLE[m]["color"], linewidth=2) for m in metrics]
+    labels = [_METRIC_STYLE[m]["label"] for m in metrics]
+    if multi_field:
+        for f, ls in field_styles.items():
+            proxies.append(Line2D([], [], color="#555555", linestyle=ls,
+                                  marker=_MARKERS[list(field_styles).index(f) % len(_MARKERS)], markersize=3))
+            labels.append(f)
+    if handles:
+        fig.legend(proxies, labels, loc="outside lower center", ncol=min(len(labels), 4 if multi_field else 3),
+                   fontsize=9, frameon=False)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110)
     plt.close(fig)

@@ -8,7 +8,17 @@ from typing import Any
 
 import click
 
-from .options import CONTEXT_SETTINGS, clean_json, console, echo_json, human_bytes, json_option, tracking_uri_option
+from .options import (
+    CONTEXT_SETTINGS,
+    clean_json,
+    console,
+    echo_json,
+    esc,
+    human_bytes,
+    json_option,
+    plain,
+    tracking_uri_option,
+)
 
 #: Every run the MLflow adapter synced carries this run tag (the hookline version).
 VERSION_TAG = "hookline.version"
@@ -105,7 +115,7 @@ def runs(experiment: str | None, filter_string: str | None, max_results: int, tr
         raise
     except Exception as e:  # noqa: BLE001 - MLflow's own errors: bad filter, server down
         msg = " ".join(str(e).split())
-        if filter_string and ("filter" in msg.lower() or "invalid" in msg.lower() or "parse" in msg.lower()):
+        if filter_string and getattr(e, "error_code", "") == "INVALID_PARAMETER_VALUE":
             raise click.ClickException(f"bad --filter {filter_string!r}: {msg[:300]}") from e
         raise TrackingError(f"searching runs at {uri} failed: {msg[:300]}") from e
     infos = [run_info(r, experiments) for r in found]
@@ -120,9 +130,10 @@ def runs(experiment: str | None, filter_string: str | None, max_results: int, tr
         c.print("record one with Recorder(..., mlflow_run_id=...), `hookline sync`, or try `hookline demo`.",
                 soft_wrap=True, highlight=False, markup=False)
         return
+    from rich import box
     from rich.table import Table
 
-    table = Table(title=f"{len(infos)} runs with hookline data at {uri}", title_justify="left", pad_edge=False)
+    table = Table(box=box.SIMPLE_HEAD, show_edge=False, collapse_padding=True, title=f"{len(infos)} runs with hookline data at {esc(uri)}", title_justify="left", pad_edge=False)
     table.add_column("run id", no_wrap=True)
     table.add_column("name", overflow="fold", ratio=2)
     table.add_column("experiment", overflow="fold", ratio=1)
@@ -133,6 +144,6 @@ def runs(experiment: str | None, filter_string: str | None, max_results: int, tr
     table.add_column("size", justify="right", no_wrap=True)
     for i in infos:
         started = (i["start_time"] or "-").replace("T", " ").replace("+00:00", "")
-        table.add_row(i["run_id"], i["run_name"] or "-", i["experiment"] or "-", i["status"], started,
+        table.add_row(i["run_id"], plain(i["run_name"]), plain(i["experiment"]), i["status"], started,
                       str(i["handles"]), str(i["records"]), human_bytes(i["bytes"]))
     c.print(table)

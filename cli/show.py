@@ -14,8 +14,9 @@ from .options import (
     clean_json,
     console,
     echo_json,
+    esc,
+    plain,
     fmt_num,
-    fmt_steps,
     human_bytes,
     json_option,
     open_run_arg,
@@ -55,7 +56,9 @@ def handle_bytes(handle: Any) -> int | None:
         p = getattr(handle, attr, None)
         if p is not None and os.path.isfile(str(p)):
             return os.path.getsize(str(p))
-    m = _meta(handle)
+    m = getattr(handle, "manifest", None)
+    if not isinstance(m, dict):
+        m = _meta(handle)
     for key in ("bytes", "nbytes"):
         if isinstance(m.get(key), (int, np.integer)):
             return int(m[key])
@@ -76,6 +79,8 @@ def handle_info(run: Any, hid: str) -> dict[str, Any]:
             "records": len(f),
         })
     steps = _steps(h)
+    from hookline.storage.compare import damage_note
+
     return {
         "handle": hid,
         "module_name": getattr(h, "module_name", None),
@@ -86,6 +91,7 @@ def handle_info(run: Any, hid: str) -> dict[str, Any]:
         "n_steps": int(np.unique(steps).size),
         "bytes": handle_bytes(h),
         "fields": fields,
+        "warning": damage_note(h),
     }
 
 
@@ -160,6 +166,9 @@ def show(run: str, handle: str | None, as_json: bool, quiet: bool, tracking_uri:
     r = open_run_arg(run, tracking_uri)
     if handle is None:
         infos = [handle_info(r, h) for h in r.handles]
+        for i in infos:
+            if i["warning"]:
+                click.echo(f"warning: {i['warning']}", err=True)
         if as_json:
             echo_json(clean_json({"run": run, "handles": infos}))
             return
@@ -168,6 +177,10 @@ def show(run: str, handle: str | None, as_json: bool, quiet: bool, tracking_uri:
 
     info = handle_info(r, handle)  # unknown handle -> UnknownNameError -> one-line error
     h = r[handle]
+    if info["warning"]:
+        if info["records"] == 0:
+            raise click.ClickException(f"handle {handle!r} of run {run!r} has no readable records: {info['warning']}")
+        click.echo(f"warning: {info['warning']}", err=True)
     total = sum(f["records"] for f in info["fields"])
     with progress_bar(f"reading {handle}", total, quiet=quiet or as_json) as advance:
         for f in info["fields"]:
@@ -179,16 +192,17 @@ def show(run: str, handle: str | None, as_json: bool, quiet: bool, tracking_uri:
 
 
 def _print_run(run: str, infos: list[dict]) -> None:
+    from rich import box
     from rich.table import Table
 
     total = sum(i["bytes"] or 0 for i in infos)
-    table = Table(title=f"{run}: {len(infos)} handles, {human_bytes(total)}", title_justify="left", pad_edge=False)
-    table.add_column("handle", overflow="fold", ratio=3)
-    table.add_column("module", overflow="fold", ratio=2)
-    table.add_column("field", overflow="fold", ratio=2)
+    table = Table(box=box.SIMPLE_HEAD, show_edge=False, collapse_padding=True, title=f"{esc(run)}: {len(infos)} handles, {human_bytes(total)}", title_justify="left", pad_edge=False)
+    table.add_column("handle", overflow="fold", min_width=12)
+    table.add_column("type", overflow="fold")
+    table.add_column("field", overflow="fold", min_width=8)
     table.add_column("dtype", no_wrap=True)
-    table.add_column("shape", overflow="fold")
-    table.add_column("records", justify="right")
+    table.add_column("shape", no_wrap=True)
+    table.add_column("records", justify="right", no_wrap=True)
     table.add_column("steps", justify="right", no_wrap=True)
     table.add_column("bytes", justify="right", no_wrap=True)
     for i in infos:
@@ -196,15 +210,14 @@ def _print_run(run: str, infos: list[dict]) -> None:
         for k, f in enumerate(fields):
             first = k == 0
             table.add_row(
-                i["handle"] if first else "",
-                f"{i['module_name'] or '-'} ({_short_type(i['module_type'])})" if first else "",
-                f["name"],
+                plain(i["handle"]) if first else "",
+                plain(_short_type(i["module_type"])) if first else "",
+                plain(f["name"]),
                 f["dtype"],
                 _shape_text(f) if f["name"] != "-" else "-",
                 str(f["records"]),
                 _steps_text(i) if first else "",
                 human_bytes(i["bytes"]) if first else "",
-                end_section=(k == len(fields) - 1),
             )
     console().print(table)
 
@@ -217,24 +230,31 @@ def _steps_text(i: dict) -> str:
 
 
 def _print_handle(run: str, info: dict) -> None:
+    from rich import box
     from rich.table import Table
 
     c = console()
-    c.print(f"[bold]{info['handle']}[/] in {run}", soft_wrap=True)
+    c.print(f"[bold]{esc(info['handle'])}[/] in {esc(run)}", soft_wrap=True)
     c.print(
         f"module {info['module_name'] or '-'} ({info['module_type'] or '-'}), {info['category'] or '-'}; "
         f"{info['records']} records, steps {_steps_text(info)}, {human_bytes(info['bytes'])}",
-        soft_wrap=True,
+        soft_wrap=True, markup=False,
     )
-    table = Table(pad_edge=False)
-    for col, kw in (("field", {"overflow": "fold"}), ("dtype", {}), ("shape", {"overflow": "fold"}),
-                    ("records", {"justify": "right"}), ("min", {"justify": "right"}),
-                    ("max", {"justify": "right"}), ("mean", {"justify": "right"}),
-                    ("L2 norm mean", {"justify": "right"}), ("norm max", {"justify": "right"}),
-                    ("norm last", {"justify": "right"})):
-        table.add_column(col, **kw)
+    fields = Table(box=box.SIMPLE_HEAD, show_edge=False, collapse_padding=True, pad_edge=False)
+    fields.add_column("field", overflow="fold", min_width=8)
+    fields.add_column("dtype", no_wrap=True)
+    fields.add_column("shape", no_wrap=True)
+    fields.add_column("records", justify="right", no_wrap=True)
     for f in info["fields"]:
-        table.add_row(f["name"], f["dtype"], _shape_text(f), str(f["records"]), fmt_num(f["min"]),
-                      fmt_num(f["max"]), fmt_num(f["mean"]), fmt_num(f["norm_mean"]),
-                      fmt_num(f["norm_max"]), fmt_num(f["norm_last"]))
+        fields.add_row(plain(f["name"]), f["dtype"], _shape_text(f), str(f["records"]))
+    c.print(fields)
+    table = Table(box=box.SIMPLE_HEAD, show_edge=False, collapse_padding=True, pad_edge=False)
+    table.add_column("field", overflow="fold", min_width=8)
+    for col in ("min", "max", "mean", "norm mean", "norm max", "norm last"):
+        table.add_column(col, justify="right", no_wrap=True)
+    for f in info["fields"]:
+        table.add_row(plain(f["name"]), fmt_num(f["min"]), fmt_num(f["max"]), fmt_num(f["mean"]),
+                      fmt_num(f["norm_mean"]), fmt_num(f["norm_max"]), fmt_num(f["norm_last"]))
+    c.print("\nstatistics over all records (element min/max/mean; per-record L2 norm mean/max/last):",
+            soft_wrap=True, markup=False)
     c.print(table)

@@ -51,7 +51,9 @@ __all__ = [
 METRICS: tuple[str, ...] = ("cosine", "rel_l2", "norm_ratio")
 
 #: Every value :attr:`FieldComparison.status` can take.
-STATUSES: tuple[str, ...] = ("ok", "missing_in_a", "missing_in_b", "shape_mismatch", "no_common_steps")
+STATUSES: tuple[str, ...] = (
+    "ok", "missing_in_a", "missing_in_b", "shape_mismatch", "no_common_steps", "unreadable",
+)
 
 #: Default read block: at most this many bytes of float64 per run per block.
 BLOCK_BYTES = 16 << 20
@@ -459,6 +461,29 @@ def _run_name(run: Any, given: Any) -> str:
     return repr(run)
 
 
+def readable_records(handle: Any) -> tuple[int, int | None]:
+    """``(readable, expected)`` records of a reader handle; ``expected`` comes from the manifest
+    (``None`` when unknown). ``readable < expected`` means files are damaged or missing."""
+    try:
+        readable = len(handle)
+    except Exception:  # noqa: BLE001
+        readable = len(getattr(handle, "steps", []) or [])
+    man = getattr(handle, "manifest", None)
+    expected = man.get("records") if isinstance(man, dict) else None
+    return int(readable), (int(expected) if isinstance(expected, (int, np.integer)) else None)
+
+
+def damage_note(handle: Any, which: str = "") -> str | None:
+    """A one-line note when a handle has fewer readable records than its manifest lists."""
+    readable, expected = readable_records(handle)
+    if expected is None or readable >= expected:
+        return None
+    hid = getattr(handle, "id", "?")
+    where = f" in run {which}" if which else ""
+    return (f"only {readable} of the {expected} records of {hid!r}{where} are readable "
+            f"(damaged or missing file; run `hookline verify` on the run directory)")
+
+
 def plan(
     run_a: Any, run_b: Any, *, handles: str | Iterable[str] | None = None, fields: str | Iterable[str] | None = None
 ) -> list[tuple[str, str | None, str]]:
@@ -483,6 +508,11 @@ def plan(
             continue
         if h not in sa:
             items.append((h, None, "b"))
+            continue
+        broken = [w for w, r in (("A", run_a), ("B", run_b)) if readable_records(r[h])[0] == 0
+                  and (readable_records(r[h])[1] or 0) > 0]
+        if broken:
+            items.append((h, None, "unreadable:" + ",".join(broken)))
             continue
         fa, fb = list(run_a[h].fields), list(run_b[h].fields)
         fnames = fa + [f for f in fb if f not in set(fa)]
@@ -518,6 +548,11 @@ def iter_compare(
     ms = _check_metrics(metrics)
     ra, rb = _open(run_a, tracking_uri), _open(run_b, tracking_uri)
     for h, f, where in plan(ra, rb, handles=handles, fields=fields):
+        if where.startswith("unreadable:"):
+            notes = [damage_note(r[h], w) for w, r in (("A", ra), ("B", rb))]
+            yield FieldComparison(h, None, status="unreadable", values={m: np.zeros(0) for m in ms},
+                                  message="; ".join(n for n in notes if n))
+            continue
         if f is None:
             missing = "missing_in_b" if where == "a" else "missing_in_a"
             other = "B" if where == "a" else "A"
@@ -534,7 +569,11 @@ def iter_compare(
                 message=f"field {f!r} of handle {h!r} is not in run {other}",
             )
             continue
-        yield compare_fields(ra[h], rb[h], f, handle_id=h, metrics=ms, block_bytes=block_bytes, progress=progress)
+        res = compare_fields(ra[h], rb[h], f, handle_id=h, metrics=ms, block_bytes=block_bytes, progress=progress)
+        notes = [n for n in (damage_note(ra[h], "A"), damage_note(rb[h], "B")) if n]
+        if notes:
+            res.message = "; ".join(([res.message] if res.message else []) + notes)
+        yield res
 
 
 def count_pairs(run_a: Any, run_b: Any, *, handles=None, fields=None, tracking_uri: str | None = None) -> int:

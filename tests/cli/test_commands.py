@@ -1,0 +1,300 @@
+"""Every hookline command through click's CliRunner, including the error paths."""
+
+from __future__ import annotations
+
+import csv
+import json
+import shutil
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+
+from hookline.cli.main import cli
+from hookline.storage import open_run
+
+
+
+def ok(runner, *args):
+    res = runner.invoke(cli, [str(a) for a in args], catch_exceptions=False)
+    assert res.exit_code == 0, (res.stdout, res.stderr)
+    return res
+
+
+def fails(runner, *args, quoted: str | None = None, code: int | None = None):
+    res = runner.invoke(cli, [str(a) for a in args])
+    assert res.exit_code != 0, res.stdout
+    if code is not None:
+        assert res.exit_code == code, (res.exit_code, res.stderr)
+    assert res.exception is None or isinstance(res.exception, SystemExit), repr(res.exception)
+    err = res.stderr.strip()
+    assert "Traceback" not in res.stderr and "Traceback" not in res.stdout
+    assert err.startswith(("Error:", "Usage:")), err
+    if code != 2:  # usage errors print the usage line first
+        assert len(err.splitlines()) == 1, err
+    if quoted is not None:
+        assert quoted in err, err
+    return res
+
+
+# ----------------------------------------------------------------------------- show
+def test_show_run_table_and_json(cli_runner, runs):
+    res = ok(cli_runner, "show", runs["a"])
+    for h in ("outputs[fc1]", "grads[head]", "grad_out.0", "float32"):
+        assert h in res.stdout
+    d = json.loads(ok(cli_runner, "show", runs["a"], "--json").stdout)
+    assert d["run"] == str(runs["a"])
+    by_id = {h["handle"]: h for h in d["handles"]}
+    h = by_id["outputs[fc1]"]
+    assert h["records"] == 4 and h["steps"] == [0, 9] and h["n_steps"] == 4
+    assert h["module_name"] == "fc1" and h["module_type"].endswith("Linear") and h["category"] == "forward_hook"
+    assert h["bytes"] and h["bytes"] > 0
+    (f,) = h["fields"]
+    assert f == {"name": "outputs.0", "dtype": "float32", "shape": [6, 16], "ragged": False, "records": 4}
+
+
+def test_show_ragged_field(cli_runner, runs):
+    assert "ragged" in ok(cli_runner, "show", runs["ragged_a"]).stdout
+    d = json.loads(ok(cli_runner, "show", runs["ragged_a"], "--json").stdout)
+    f = d["handles"][0]["fields"][0]
+    assert f["shape"] is None and f["ragged"] is True
+
+
+def test_show_handle_statistics(cli_runner, runs):
+    res = ok(cli_runner, "show", runs["a"], "grads[fc1]")
+    assert "grad_out.0" in res.stdout and "norm" in res.stdout
+    d = json.loads(ok(cli_runner, "show", runs["a"], "grads[fc1]", "--json").stdout)
+    assert d["handle"] == "grads[fc1]"
+    (f,) = [f for f in d["fields"] if f["name"] == "grad_out.0"]
+    data = open_run(runs["a"])["grads[fc1]"]["grad_out.0"].read().astype(np.float64)
+    assert f["min"] == pytest.approx(data.min()) and f["max"] == pytest.approx(data.max())
+    assert f["mean"] == pytest.approx(data.mean())
+    norms = np.linalg.norm(data.reshape(len(data), -1), axis=1)
+    assert f["norm_mean"] == pytest.approx(norms.mean()) and f["norm_last"] == pytest.approx(norms[-1])
+    for key in ("norm_min", "norm_max", "nonfinite", "dtype", "shape", "records"):
+        assert key in f
+
+
+def test_show_errors(cli_runner, runs, tmp_path):
+    fails(cli_runner, "show", tmp_path / "nope", quoted=repr(str(tmp_path / "nope")))
+    fails(cli_runner, "show", runs["a"], "grads[nope]", quoted="grads[nope]")
+    fails(cli_runner, "show", "not-a-run-id-and-no-dir", quoted="'not-a-run-id-and-no-dir'")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    fails(cli_runner, "show", empty)  # not a hookline run directory
+
+
+def _corrupt_copy(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    victim = sorted(dst.rglob("*.h5"))[0]
+    victim.write_bytes(b"this is not an HDF5 file" * 100)
+    return victim
+
+
+def test_corrupt_files_give_one_line_errors(cli_runner, runs, tmp_path):
+    run = tmp_path / "corrupt"
+    victim = _corrupt_copy(runs["a"], run)
+    bad = next(h for h in open_run(run).handles if _fails_to_read(open_run(run), h))
+    field = "outputs.0" if bad.startswith("outputs") else "grad_out.0"
+    # show RUN: lists the damage as a warning; show RUN HANDLE / export: one-line errors
+    res = ok(cli_runner, "show", run)
+    assert "warning:" in res.stderr and bad in res.stderr and "hookline verify" in res.stderr
+    assert json.loads(ok(cli_runner, "show", run, "--json").stdout)["handles"]
+    fails(cli_runner, "show", run, bad, quoted=repr(bad))
+    fails(cli_runner, "export", run, bad, field, "--format", "npy", "--out", tmp_path / "x.npy", quoted=repr(field))
+    # compare: the damaged handle is reported, the others are compared
+    d = json.loads(ok(cli_runner, "compare", run, runs["a"], "--json").stdout)
+    st = {r["handle"]: r["status"] for r in d["results"]}
+    assert st.pop(bad) == "unreadable" and set(st.values()) == {"ok"}
+    assert "unreadable" in ok(cli_runner, "compare", run, runs["a"]).stdout
+    # an unreadable manifest
+    run2 = tmp_path / "badmanifest"
+    shutil.copytree(runs["a"], run2)
+    (run2 / "manifest.json").write_text("{ not json")
+    fails(cli_runner, "show", run2)
+    assert victim.exists()
+
+
+def _fails_to_read(run, handle) -> bool:
+    try:
+        h = run[handle]
+        if not h.fields:
+            return True
+        for f in h.fields:
+            h[f][0]
+    except Exception:
+        return True
+    return False
+
+
+# ----------------------------------------------------------------------------- compare
+def test_compare_table_json_plot(cli_runner, runs, tmp_path):
+    png = tmp_path / "cmp.png"
+    res = ok(cli_runner, "compare", runs["a"], runs["b"], "--plot", png)
+    assert "grads[fc1]" in res.stdout and "cosine" in res.stdout and str(png) in res.stdout
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
+    d = json.loads(ok(cli_runner, "compare", runs["a"], runs["b"], "--json").stdout)
+    assert d["metrics"] == ["cosine", "rel_l2", "norm_ratio"]
+    assert d["run_a"] == str(runs["a"]) and d["run_b"] == str(runs["b"])
+    for r in d["results"]:
+        for key in ("handle", "field", "status", "message", "common_steps", "only_a", "only_b", "mismatched",
+                    "shape_a", "shape_b", "dtype_a", "dtype_b", "steps", "calls", "cosine", "rel_l2",
+                    "norm_ratio", "summary"):
+            assert key in r, key
+        assert len(r["cosine"]) == len(r["steps"]) == r["common_steps"] == 4
+        assert set(r["summary"]["cosine"]) == {"mean", "min", "max", "first", "last"}
+
+
+def test_compare_identical_json(cli_runner, runs):
+    d = json.loads(ok(cli_runner, "compare", runs["a"], runs["a_same"], "--json", "--metric", "cosine",
+                      "--metric", "rel_l2").stdout)
+    assert d["metrics"] == ["cosine", "rel_l2"]
+    for r in d["results"]:
+        assert r["status"] == "ok" and "norm_ratio" not in r
+        assert all(abs(c - 1) < 1e-12 for c in r["cosine"]) and all(abs(x) < 1e-12 for x in r["rel_l2"])
+
+
+def test_compare_filters(cli_runner, runs):
+    d = json.loads(ok(cli_runner, "compare", runs["a"], runs["b"], "--handle", "grads[*]", "--field",
+                      "grad_out.0", "--json").stdout)
+    assert {(r["handle"], r["field"]) for r in d["results"]} == {("grads[fc1]", "grad_out.0"),
+                                                                  ("grads[head]", "grad_out.0")}
+
+
+def test_compare_reports_problems_without_failing(cli_runner, runs, tmp_path):
+    res = ok(cli_runner, "compare", runs["a"], runs["wide"], "--handle", "outputs[*]", "--plot", tmp_path / "p.png")
+    assert "shape mismatch" in res.stdout and "[16]" not in res.stdout or "16" in res.stdout
+    res = ok(cli_runner, "compare", runs["a"], runs["offset"], "--handle", "grads[*]")
+    assert "no common steps" in res.stdout
+    res = ok(cli_runner, "compare", runs["a"], runs["twice_a"])
+    assert "missing in A" in res.stdout and "missing in B" in res.stdout
+    d = json.loads(ok(cli_runner, "compare", runs["a"], runs["twice_a"], "--json").stdout)
+    assert {r["status"] for r in d["results"]} == {"missing_in_a", "missing_in_b"}
+
+
+def test_compare_errors(cli_runner, runs, tmp_path):
+    fails(cli_runner, "compare", runs["a"], tmp_path / "nope", quoted=str(tmp_path / "nope"))
+    fails(cli_runner, "compare", runs["a"], runs["b"], "--handle", "nope[*]", quoted="'nope[*]'")
+    fails(cli_runner, "compare", runs["a"], runs["b"], "--field", "zzz", quoted="'zzz'")
+    fails(cli_runner, "compare", runs["a"], runs["b"], "--metric", "l1", code=2)
+
+
+# ----------------------------------------------------------------------------- export
+def test_export_npy_csv_h5(cli_runner, runs, tmp_path):
+    f = open_run(runs["a"])["grads[fc1]"]["grad_out.0"]
+    data = f.read()
+    ok(cli_runner, "export", runs["a"], "grads[fc1]", "grad_out.0", "--format", "npy", "--out", tmp_path / "g.npy")
+    np.testing.assert_array_equal(np.load(tmp_path / "g.npy"), data)
+    rows = list(csv.reader(open(tmp_path / "g.npy.steps.csv")))
+    assert rows[0] == ["row", "step", "call"] and [r[1] for r in rows[1:]] == ["0", "3", "6", "9"]
+
+    ok(cli_runner, "export", runs["a"], "grads[fc1]", "grad_out.0", "--format", "csv", "--out", tmp_path / "g.csv",
+       "--steps", "3:7")
+    rows = list(csv.reader(open(tmp_path / "g.csv")))
+    assert rows[0][:3] == ["step", "call", "0_0"] and len(rows[0]) == 2 + 6 * 16
+    assert [r[0] for r in rows[1:]] == ["3", "6"]
+    np.testing.assert_allclose(np.array(rows[1][2:], float), data[1].ravel(), rtol=1e-6)
+
+    ok(cli_runner, "export", runs["a"], "grads[fc1]", "grad_out.0", "--format", "h5", "--out", tmp_path / "g.h5",
+       "--steps", "0,9")
+    with h5py.File(tmp_path / "g.h5", "r") as h:
+        assert h["step"][:].tolist() == [0, 9]
+        np.testing.assert_array_equal(h["data"][:], data[[0, 3]])
+        assert h.attrs["handle"] == "grads[fc1]" and h.attrs["field"] == "grad_out.0"
+
+
+def test_export_ragged_to_h5(cli_runner, runs, tmp_path):
+    f = open_run(runs["ragged_a"])["outputs[proj]"]["outputs.0"]
+    fails(cli_runner, "export", runs["ragged_a"], "outputs[proj]", "outputs.0", "--format", "npy", "--out",
+          tmp_path / "r.npy", quoted="ragged")
+    ok(cli_runner, "export", runs["ragged_a"], "outputs[proj]", "outputs.0", "--format", "h5", "--out", tmp_path / "r.h5")
+    with h5py.File(tmp_path / "r.h5", "r") as h:
+        recs = [h["data"][k][:] for k in sorted(h["data"])]
+    assert [r.shape[0] for r in recs] == [3, 5, 4, 5]
+    np.testing.assert_array_equal(recs[1], f[1])
+
+
+def test_export_errors(cli_runner, runs, tmp_path):
+    a = runs["a"]
+    out = tmp_path / "x.npy"
+    fails(cli_runner, "export", a, "grads[fc1]", "grad_out.0", "--format", "npy", "--out", out, "--steps", "1:x",
+          quoted="'1:x'", code=2)
+    fails(cli_runner, "export", a, "grads[fc1]", "grad_out.0", "--format", "npy", "--out", out, "--steps", "-3",
+          code=2)
+    fails(cli_runner, "export", a, "grads[fc1]", "grad_out.0", "--format", "npy", "--out", out, "--steps", "1,2",
+          quoted="'1,2'")  # selects nothing
+    fails(cli_runner, "export", a, "grads[nope]", "grad_out.0", "--format", "npy", "--out", out, quoted="grads[nope]")
+    fails(cli_runner, "export", a, "grads[fc1]", "grad_zzz", "--format", "npy", "--out", out, quoted="grad_zzz")
+    fails(cli_runner, "export", a, "grads[fc1]", "grad_out.0", "--format", "xls", "--out", out, code=2)
+    out.write_bytes(b"keep me")
+    fails(cli_runner, "export", a, "grads[fc1]", "grad_out.0", "--format", "npy", "--out", out, quoted="--force")
+    assert out.read_bytes() == b"keep me"
+    ok(cli_runner, "export", a, "grads[fc1]", "grad_out.0", "--format", "npy", "--out", out, "--force")
+
+
+# ----------------------------------------------------------------------------- verify
+def test_verify(cli_runner, runs, tmp_path):
+    res = ok(cli_runner, "verify", runs["a"])
+    assert res.stdout.strip()
+    d = json.loads(ok(cli_runner, "verify", runs["a"], "--json").stdout)
+    assert d["ok"] is True
+    fails(cli_runner, "verify", tmp_path / "nope", quoted=str(tmp_path / "nope"))
+    run = tmp_path / "corrupt"
+    _corrupt_copy(runs["a"], run)
+    res = cli_runner.invoke(cli, ["verify", str(run), "--json"])
+    assert res.exit_code != 0 and "Traceback" not in res.stderr
+    assert json.loads(res.stdout)["ok"] is False
+
+
+# ----------------------------------------------------------------------------- MLflow: runs, sync, runs:/
+def test_runs_sync_and_mlflow_uris(cli_runner, sqlite_tracking_uri, tmp_path, recorder_run):
+    record_mlp = recorder_run
+    from mlflow import MlflowClient
+
+    client = MlflowClient(sqlite_tracking_uri)
+    exp = client.create_experiment("cli-test")
+    r1 = client.create_run(exp, run_name="recorded").info.run_id
+    record_mlp(tmp_path / "r1", mlflow_run_id=r1, tracking_uri=sqlite_tracking_uri)
+    client.create_run(exp, run_name="no-hookline-data")
+
+    d = json.loads(ok(cli_runner, "runs", "--json").stdout)
+    assert [r["run_id"] for r in d["runs"]] == [r1]
+    info = d["runs"][0]
+    assert info["handles"] == 4 and info["records"] == 16 and info["bytes"] > 0
+    assert info["experiment"] == "cli-test" and info["uri"] == f"runs:/{r1}" and "Linear" in info["module_types"]
+    res = ok(cli_runner, "runs", "--experiment", "cli-test")
+    assert r1 in res.stdout and "recorded" in res.stdout
+
+    # sync a run recorded without MLflow, twice (idempotent)
+    local = record_mlp(tmp_path / "r2", lr=0.5)
+    r2 = client.create_run(exp, run_name="synced").info.run_id
+    s1 = json.loads(ok(cli_runner, "sync", local, "--run-id", r2, "--json").stdout)
+    assert s1["ok"] and s1["uploaded"]
+    s2 = json.loads(ok(cli_runner, "sync", local, "--run-id", r2, "--json").stdout)
+    assert s2["ok"] and not s2["uploaded"] and s2["skipped"]
+    assert "synced" in ok(cli_runner, "sync", local, "--run-id", r2).stdout
+    d = json.loads(ok(cli_runner, "runs", "--experiment", "cli-test", "--filter", "attributes.run_name = 'synced'",
+                      "--json").stdout)
+    assert [r["run_id"] for r in d["runs"]] == [r2]
+
+    # RUN as runs:/ID and as a bare id
+    d = json.loads(ok(cli_runner, "show", f"runs:/{r1}", "--json").stdout)
+    assert {h["handle"] for h in d["handles"]} >= {"grads[fc1]", "outputs[head]"}
+    d = json.loads(ok(cli_runner, "compare", r1, f"runs:/{r2}", "--json", "--tracking-uri", sqlite_tracking_uri).stdout)
+    assert all(r["status"] == "ok" for r in d["results"])
+    ok(cli_runner, "export", r1, "grads[fc1]", "grad_out.0", "--format", "npy", "--out", tmp_path / "m.npy")
+    np.testing.assert_array_equal(np.load(tmp_path / "m.npy"), open_run(tmp_path / "r1")["grads[fc1]"]["grad_out.0"].read())
+
+    # errors
+    fails(cli_runner, "runs", "--experiment", "no-such-exp", quoted="'no-such-exp'")
+    fails(cli_runner, "runs", "--filter", "params.lr === nonsense", quoted="params.lr === nonsense")
+    fails(cli_runner, "sync", local, "--run-id", "0" * 32, quoted="0" * 32)
+    fails(cli_runner, "sync", tmp_path / "nope", "--run-id", r2, quoted=str(tmp_path / "nope"))
+    fails(cli_runner, "show", "f" * 32, quoted="f" * 32)
+
+
+def test_runs_empty_store(cli_runner, sqlite_tracking_uri):
+    res = ok(cli_runner, "runs")
+    assert "no runs with hookline data" in res.stdout
+    assert json.loads(ok(cli_runner, "runs", "--json").stdout)["runs"] == []

@@ -1,0 +1,149 @@
+"""The streaming comparison engine (hookline.storage.compare) on runs made with the real Recorder."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import numpy as np
+import pytest
+
+from hookline.storage import InvalidArgumentError, compare_runs, open_run
+from hookline.storage.compare import METRICS, STATUSES, pair_metrics
+
+
+def _numpy_metrics(a: np.ndarray, b: np.ndarray) -> dict[str, float]:
+    a = np.asarray(a, np.float64).ravel()
+    b = np.asarray(b, np.float64).ravel()
+    na, nb = np.linalg.norm(a), np.linalg.norm(b)
+    return {"cosine": float(a @ b / (na * nb)), "rel_l2": float(np.linalg.norm(a - b) / na),
+            "norm_ratio": float(nb / na)}
+
+
+def test_identical_runs_give_cosine_one(runs):
+    res = compare_runs(runs["a"], runs["a_same"])
+    assert res.results and all(r.status == "ok" for r in res)
+    handles = {r.handle for r in res}
+    assert {"outputs[fc1]", "outputs[head]", "grads[fc1]", "grads[head]"} <= handles
+    for r in res:
+        assert len(r) == 4  # steps 0, 3, 6, 9
+        np.testing.assert_allclose(r.values["cosine"], 1.0, atol=1e-12)
+        np.testing.assert_allclose(r.values["rel_l2"], 0.0, atol=1e-12)
+        np.testing.assert_allclose(r.values["norm_ratio"], 1.0, atol=1e-12)
+
+
+def test_different_runs_match_numpy(runs):
+    res = compare_runs(runs["a"], runs["b"])
+    ra, rb = open_run(runs["a"]), open_run(runs["b"])
+    checked = 0
+    for r in res:
+        assert r.status == "ok", r
+        fa, fb = ra[r.handle][r.field], rb[r.handle][r.field]
+        sa = list(zip(fa.steps.tolist(), fa.calls.tolist()))
+        sb = list(zip(fb.steps.tolist(), fb.calls.tolist()))
+        for k, (s, c) in enumerate(zip(r.steps.tolist(), r.calls.tolist())):
+            want = _numpy_metrics(fa[sa.index((s, c))], fb[sb.index((s, c))])
+            for m in METRICS:
+                assert r.values[m][k] == pytest.approx(want[m], rel=1e-9, abs=1e-12), (r.handle, r.field, s, m)
+            checked += 1
+    assert checked >= 16
+    # step 0: same init and data -> identical; later steps differ
+    g = res.get("grads[fc1]", "grad_out.0")
+    assert g.values["cosine"][0] == pytest.approx(1.0)
+    assert g.values["rel_l2"][-1] > 1e-3
+
+
+def test_small_blocks_give_the_same_result(runs):
+    """Bounded memory: a tiny read budget (one record per block) changes nothing."""
+    big = compare_runs(runs["a"], runs["b"])
+    small = compare_runs(runs["a"], runs["b"], block_bytes=1)
+    for x, y in zip(big, small):
+        for m in METRICS:
+            np.testing.assert_array_equal(x.values[m], y.values[m])
+
+
+def test_shape_mismatch_is_reported(runs):
+    res = compare_runs(runs["a"], runs["wide"], handles="outputs[fc1]")
+    (r,) = res.results
+    assert r.status == "shape_mismatch"
+    assert "16" in r.message and "24" in r.message
+    # head outputs have the same shape: still compared
+    assert compare_runs(runs["a"], runs["wide"], handles="outputs[head]").results[0].status == "ok"
+
+
+def test_no_common_steps_is_reported(runs):
+    res = compare_runs(runs["a"], runs["offset"], handles="grads[*]")
+    assert {r.status for r in res} == {"no_common_steps"}
+    assert all("no common" in r.message for r in res)
+
+
+def test_missing_handles_and_fields(runs):
+    res = compare_runs(runs["a"], runs["twice_a"])
+    by_status = {r.status for r in res}
+    assert by_status == {"missing_in_a", "missing_in_b"}
+    miss = res.get("outputs[lin]")
+    assert miss.status == "missing_in_a" and miss.field is None and "not in run A" in miss.message
+
+
+def test_several_calls_compared_call_by_call(runs):
+    res = compare_runs(runs["twice_a"], runs["twice_b"])
+    (r,) = res.results
+    assert r.status == "ok"
+    assert r.calls.tolist() == [0, 1] * 4 and r.steps.tolist() == [0, 0, 1, 1, 2, 2, 3, 3]
+    fa, fb = open_run(runs["twice_a"])["outputs[lin]"]["outputs.0"], open_run(runs["twice_b"])["outputs[lin]"]["outputs.0"]
+    for k in range(len(r)):
+        want = _numpy_metrics(fa[k], fb[k])
+        assert r.values["rel_l2"][k] == pytest.approx(want["rel_l2"], rel=1e-9, abs=1e-12)
+    assert r.values["rel_l2"][0] == pytest.approx(0.0, abs=1e-12)  # step 0 unscaled
+    assert r.values["rel_l2"][2] > 0.1  # step 1 scaled
+
+
+def test_ragged_fields_compare_where_shapes_agree(runs):
+    res = compare_runs(runs["ragged_a"], runs["ragged_b"])
+    (r,) = res.results
+    assert r.status == "ok"
+    assert r.mismatched == 1 and "step 1" in r.message
+    assert np.isnan(r.values["cosine"][1]) and np.isfinite(r.values["cosine"][[0, 2, 3]]).all()
+    d = r.to_dict()
+    assert d["cosine"][1] is None and d["shape_a"] is None
+
+
+def test_globs_are_literal_about_brackets(runs):
+    res = compare_runs(runs["a"], runs["b"], handles="grads[*]", fields="grad_out.*")
+    assert {(r.handle, r.field) for r in res} == {("grads[fc1]", "grad_out.0"), ("grads[head]", "grad_out.0")}
+    with pytest.raises(InvalidArgumentError, match="nope"):
+        compare_runs(runs["a"], runs["b"], handles="nope*")
+    with pytest.raises(InvalidArgumentError, match="grad_zzz"):
+        compare_runs(runs["a"], runs["b"], fields="grad_zzz")
+    with pytest.raises(InvalidArgumentError, match="bogus"):
+        compare_runs(runs["a"], runs["b"], metrics=["bogus"])
+
+
+def test_to_dict_is_json_with_documented_keys(runs):
+    d = compare_runs(runs["a"], runs["b"], metrics=["cosine"]).to_dict()
+    json.dumps(d, allow_nan=False)
+    assert d["metrics"] == ["cosine"]
+    r = d["results"][0]
+    for key in ("handle", "field", "status", "message", "common_steps", "steps", "calls", "cosine", "summary"):
+        assert key in r
+    assert "rel_l2" not in r
+    assert set(STATUSES) >= {x["status"] for x in d["results"]}
+
+
+def test_pair_metrics_edge_cases():
+    z, o = np.zeros(3), np.ones(3)
+    assert pair_metrics(z, z) == {"cosine": 1.0, "rel_l2": 0.0, "norm_ratio": 1.0}
+    m = pair_metrics(o, z)
+    assert np.isnan(m["cosine"]) and m["rel_l2"] == 1.0 and m["norm_ratio"] == 0.0
+    assert pair_metrics(o, -o)["cosine"] == pytest.approx(-1.0)
+    with pytest.raises(InvalidArgumentError):
+        pair_metrics(np.zeros(2), np.zeros(3))
+
+
+def test_compare_module_does_not_import_torch():
+    import subprocess
+
+    code = ("import sys; import hookline.storage.compare as c; "
+            "assert 'torch' not in sys.modules, 'torch imported'; print('ok')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
