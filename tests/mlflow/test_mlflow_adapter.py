@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -362,3 +363,38 @@ def test_pending_uploads_are_flushed_at_interpreter_exit(sqlite_tracking_uri, tm
     assert out.returncode == 0, out.stderr
     assert {a.path for a in client.list_artifacts(rid, "hookline")} >= {"hookline/manifest.json"}
     assert len(client.get_metric_history(rid, metric_key("grads[blocks.0]", "grad_out.0"))) == 3
+
+
+def test_partial_fields_and_stats_mode_fields(sqlite_tracking_uri, tmp_path):
+    from mlflow import MlflowClient
+
+    from hookline.storage import RunWriter
+
+    client = MlflowClient(sqlite_tracking_uri)
+    rid = client.create_run("0").info.run_id
+    rng = np.random.default_rng(3)
+    w = RunWriter(tmp_path / "run", fsync=False)
+    w.add_handle("grads[fc]", module_name="fc", module_type=LINEAR, category="backward_hook", hook_fn_name="grads")
+    w.add_handle("stats[fc]", module_name="fc", module_type=LINEAR, category="forward_hook", hook_fn_name="stats")
+    gin, gout, norms = {}, {}, []
+    for step in range(6):
+        rec = {"grad_out.0": rng.standard_normal((3, 2)).astype(np.float32)}
+        gout[step] = rec["grad_out.0"]
+        if step % 2 == 0:  # grad_in.0 is None on odd steps: absent from those records
+            rec["grad_in.0"] = gin[step] = rng.standard_normal((5,)).astype(np.float32)
+        w.write("grads[fc]", step, 0, rec)
+        n = float(rng.uniform(1, 2))
+        norms.append(n)
+        w.write("stats[fc]", step, 0, {"outputs.0.norm": np.array(n, np.float32),
+                                       "outputs.0.mean": np.array(0.5, np.float32)})
+    w.close()
+    assert sync(tmp_path / "run", rid, tracking_uri=sqlite_tracking_uri).ok
+    hin = _history(client, rid, metric_key("grads[fc]", "grad_in.0"))
+    assert [s for s, _ in hin] == [0, 2, 4]
+    np.testing.assert_allclose([v for _, v in hin], [np.linalg.norm(gin[s]) for s in (0, 2, 4)], rtol=1e-5)
+    assert len(_history(client, rid, metric_key("grads[fc]", "grad_out.0"))) == 6
+    hs = _history(client, rid, metric_key("stats[fc]", "outputs.0"))  # the stored norm is the series
+    np.testing.assert_allclose([v for _, v in hs], norms, rtol=1e-6)
+    keys = set(client.get_run(rid).data.metrics)
+    assert not any("mean" in k for k in keys), keys
+    assert json.loads(client.get_run(rid).data.tags[tag_key("grads[fc]", "fields")]) == ["grad_in.0", "grad_out.0"]
