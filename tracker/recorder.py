@@ -19,6 +19,7 @@ from hookline.storage.errors import InvalidArgumentError, WriterClosedError
 
 from .capture import CaptureHook, CaptureOptions, _Binding, field_tensors
 from .convert import DeviceCopier, to_field
+from .distributed import broadcast_run_id, check_same_handles, detect
 from .stats import SCALAR_STATS, StatsSpec, split_stats
 
 __all__ = ["Recorder", "RecorderSummary", "HandleSummary"]
@@ -105,9 +106,13 @@ class Recorder:
         policy: ``"block"`` (wait for the disk) or ``"drop"`` (drop records, counted) when the
             budget is exhausted.
         compression: storage compression (``None``, ``"gzip"``, ``"lzf"``, ``"zstd"``, ``"lz4"``).
-        mlflow_run_id: register the run's data with this MLflow run at close.
+        mlflow_run_id: register the run's data with this MLflow run at close. Under
+            ``torch.distributed`` pass it on rank 0 (the others receive it by broadcast).
         tracking_uri: MLflow tracking URI (default: MLflow's own resolution).
-        rank, world_size: distributed rank information (stored in names and attributes).
+        rank, world_size: distributed rank information (stored in file names and attributes);
+            default: taken from an initialised ``torch.distributed`` process group. Under
+            ``torch.distributed`` the constructor and :meth:`close` are collectives: every rank
+            must create and close its recorder.
         meta: extra JSON-serialisable run metadata.
         stats: histogram bins for ``mode="stats"`` hooks.
     """
@@ -140,6 +145,10 @@ class Recorder:
         self.steps = steps
         self.run_dir = Path(run_dir)
         self.stats_spec = stats or StatsSpec()
+        self._dist = detect(rank, world_size)
+        rank, world_size = self._dist.rank, self._dist.world_size
+        # Rank 0 owns the MLflow run; the others learn its id (a collective, outside any hook).
+        mlflow_run_id = broadcast_run_id(self._dist, mlflow_run_id)
         self.mlflow_run_id = mlflow_run_id
         self.tracking_uri = tracking_uri
         run_meta = {"torch_version": torch.__version__, "every": every,
@@ -158,6 +167,12 @@ class Recorder:
             meta=run_meta,
         )
         self.rank, self.world_size = rank, world_size
+        self._mlflow = None
+        if mlflow_run_id is not None:
+            from hookline.storage import MlflowAdapter
+
+            # Validates the id now; mlflow itself is imported on the adapter's own thread.
+            self._mlflow = MlflowAdapter(mlflow_run_id, tracking_uri=tracking_uri, rank=rank)
         self._lock = threading.Lock()
         self._step: int | None = None
         self._sampled = True
@@ -356,10 +371,15 @@ class Recorder:
             check()
 
     def flush(self) -> None:
-        """Block until everything captured so far is on disk (and readable after a crash)."""
+        """Block until everything captured so far is on disk (and readable after a crash).
+
+        With MLflow, also schedules a background update of the run's metrics and tags.
+        """
         self._check_open()
         self._copier.drain()
         self._writer.flush()
+        if self._mlflow is not None:
+            self._mlflow.submit(self.run_dir)  # per-step metrics so far, in the background
 
     def summary(self) -> RecorderSummary:
         """Per-handle records, bytes, drops and time spent in hooks so far."""
@@ -388,13 +408,13 @@ class Recorder:
             for _, b in list(self._bindings):
                 b.handle.remove()
             self._writer.close()
+        # Every rank must have recorded the same handles (checked after the files are complete).
+        check_same_handles(self._dist, list(self._summaries))
         summary = self.summary()
-        if self.mlflow_run_id is not None:
-            from hookline.storage.mlflow_adapter import MlflowAdapter
-
-            adapter = MlflowAdapter(self.mlflow_run_id, tracking_uri=self.tracking_uri, rank=self.rank)
+        if self._mlflow is not None:
+            self._mlflow.submit(self.run_dir)
             try:
-                adapter.log_run_dir(self.run_dir)
+                self._mlflow.close()  # final sync incl. files; returns when uploads are done
             except Exception as e:  # reported in the summary, then raised for the caller
                 summary.mlflow_error = str(e)
                 log.error("%s", summary)
