@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import warnings
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
@@ -223,6 +224,8 @@ class Handle:
         self.hook_fn_name: str = e0.get("hook_fn_name", "")
         self.meta: dict[str, Any] = dict(e0.get("meta") or {})
         self.gaps: list[tuple[int | None, int, int]] = []
+        #: Files that could not be read (they are skipped; ``hookline verify`` reports/repairs).
+        self.problems: list[str] = []
         self._refs: list[_Ref] = []
         src = run.source
         for m, e in entries:
@@ -240,7 +243,16 @@ class Handle:
     def _load(self) -> None:
         if self._loaded:
             return
-        parts = [r.open(self.id) for r in self._refs]
+        parts, refs = [], []
+        for r in self._refs:
+            try:
+                parts.append(r.open(self.id))
+                refs.append(r)
+            except (StorageError, FormatError) as e:
+                # A damaged complete file (external corruption): read the others, say so loudly.
+                self.problems.append(str(e))
+                warnings.warn(f"hookline: skipping unreadable file: {e} (run `hookline verify`)", stacklevel=3)
+        self._refs = refs
         self._parts = parts
         self._base = np.cumsum([0] + [p.n for p in parts])[:-1].astype(np.int64)
         self._n = int(sum(p.n for p in parts))

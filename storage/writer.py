@@ -198,6 +198,12 @@ class _Event:
 _ERRNO_RE = re.compile(r"errno\s*=\s*(\d+)")
 
 
+def _short(e: BaseException, limit: int = 240) -> str:
+    """One line of an exception message (HDF5's are multi-line and long)."""
+    text = " ".join(str(e).split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def _errno_of(e: BaseException) -> int | None:
     n = getattr(e, "errno", None)
     if isinstance(n, int):
@@ -576,7 +582,7 @@ class RunWriter:
             where = f" writing {str(self._current_path)!r}" if self._current_path else f" in {str(self.run_dir)!r}"
             code = f" [errno {n} {_errno.errorcode.get(n, '?')}: {os.strerror(n)}]" if n else ""
             err = StorageError(
-                f"hookline writer failed{where}{code}: {type(e).__name__}: {e}. Records flushed before this "
+                f"hookline writer failed{where}{code}: {type(e).__name__}: {_short(e)}. Records flushed before this "
                 f"error are safe; free disk space / fix the device and start a new writer",
             )
             if n:

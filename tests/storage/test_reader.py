@@ -1,0 +1,153 @@
+"""Reader: lazy access, slicing, errors, killed runs, numpy+h5py-only environment."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+
+from hookline.storage import FormatError, RunWriter, StorageError, UnknownNameError, open_run
+from _storage_support import GID, HID, record_value, write_std_run
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_run_handle_field_api(run_dir):
+    write_std_run(run_dir, n=12, meta={"seed": 3}).close()
+    with open_run(run_dir) as run:
+        assert run.handles == [HID, GID] and HID in run and len(run) == 2
+        assert run.meta == {"seed": 3} and run.status == "closed"
+        h = run[HID]
+        assert h.id == HID and h.module_name == "blocks.0" and h.category == "forward_hook"
+        assert h.module_type.endswith("Linear") and h.meta == {"kind": "outputs"} and h.key == "outputs/blocks.0"
+        assert h.fields == ["outputs.0", "outputs.1"]
+        f = h["outputs.0"]
+        assert len(f) == 12 and f.shape == (8, 16) and f.dtype == np.float32
+        assert np.array_equal(f[-1], record_value(11))
+        assert f[2:5].shape == (3, 8, 16) and np.array_equal(f[2:5][1], record_value(3))
+        assert f[::4].shape == (3, 8, 16) and np.array_equal(f[::4][2], record_value(8))
+        assert f.read().shape == (12, 8, 16)
+        assert f[5:5].shape == (0, 8, 16)
+        assert np.allclose(f.norms(), [np.linalg.norm(record_value(i)) for i in range(12)])
+        r = h["outputs.1"]
+        assert r.shape is None and r.dtype == np.int64
+        assert [a.tolist() for a in r[3:6]] == [list(range(4)), list(range(5)), [0]]
+        assert isinstance(r.read(), list) and len(r.read()) == 12
+        assert np.allclose(r.norms(), [np.linalg.norm(np.arange(i % 5 + 1)) for i in range(12)])
+        assert r.at_step(4)[0].tolist() == list(range(5))
+        with pytest.raises(IndexError):
+            f[12]
+        with pytest.raises(UnknownNameError, match="outputs.0"):
+            h["outputs.9"]
+        with pytest.raises(KeyError, match=r"grads\[blocks.0\]"):
+            run["nope"]
+        t = f.to_torch(3)
+        import torch
+
+        assert t.dtype == torch.float32 and torch.equal(t, torch.from_numpy(record_value(3)))
+
+
+def test_open_run_errors(tmp_path):
+    with pytest.raises(StorageError, match="no run directory"):
+        open_run(tmp_path / "missing")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FormatError):
+        open_run(tmp_path / "empty")
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "manifest.json").write_text('{"format": "hookline-run", "format_version": 99, "handles": {}}')
+    with pytest.raises(FormatError, match="upgrade"):
+        open_run(tmp_path / "bad")
+
+
+def test_reads_live_and_killed_runs_without_repair(run_dir):
+    w = write_std_run(run_dir, n=10)
+    w.flush()
+    for i in range(10, 15):  # written but not flushed: in a .partial segment
+        w.write(HID, i, 0, {"outputs.0": record_value(i)})
+    time.sleep(0.1)
+    run = open_run(run_dir)
+    assert run.status == "open"
+    assert len(run[HID]) == 10 and np.array_equal(run[HID]["outputs.0"][9], record_value(9))
+    assert any(p.name.endswith(".partial") for p in (run_dir / "outputs").iterdir())
+    w.close()
+    assert len(open_run(run_dir)[HID]) == 15
+
+
+def test_random_access_reads_only_one_record(run_dir):
+    """rdcc_nbytes=0 and per-record chunks: one record costs ~ its own bytes, not the file."""
+    with RunWriter(run_dir) as w:
+        w.add_handle(HID)
+        x = np.ones((256, 256), np.float32)  # 256 KiB records
+        for i in range(200):  # 50 MiB
+            w.write(HID, i, 0, {"outputs.0": x})
+    run = open_run(run_dir)
+    f = run[HID]["outputs.0"]
+    f[0]
+    t0 = time.perf_counter()
+    for i in range(0, 200, 7):
+        f[i]
+    per = (time.perf_counter() - t0) / len(range(0, 200, 7))
+    assert per < 0.01, per
+
+
+def test_no_pickle_in_storage_sources():
+    for p in (REPO / "storage").glob("*.py"):
+        text = p.read_text()
+        assert "import pickle" not in text and "allow_pickle=True" not in text, p
+
+
+def test_storage_does_not_import_torch_or_mlflow(run_dir):
+    write_std_run(run_dir, n=3).close()
+    code = textwrap.dedent(f"""
+        import sys
+        import hookline.storage as s
+        run = s.open_run({str(run_dir)!r})
+        x = run[{HID!r}]["outputs.0"][1]
+        s.verify({str(run_dir)!r})
+        assert "torch" not in sys.modules and "mlflow" not in sys.modules, sorted(m for m in sys.modules if m.startswith(("torch", "mlflow")))
+        print("ok", x.shape)
+    """)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and "ok (8, 16)" in r.stdout, r.stderr
+
+
+@pytest.mark.slow
+def test_reader_in_numpy_h5py_only_venv(tmp_path, run_dir):
+    """A fresh venv with only numpy + h5py reads a run (hookline.storage from the source tree)."""
+    write_std_run(run_dir, n=6).close()
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+    py = venv / "bin" / "python"
+    pip = subprocess.run([str(py), "-m", "pip", "install", "-q", "--disable-pip-version-check", "numpy", "h5py"],
+                         capture_output=True, text=True, timeout=240)
+    assert pip.returncode == 0, pip.stderr[-2000:]
+    # hookline is a namespace package: expose only the storage folder as hookline.storage
+    src = tmp_path / "src" / "hookline"
+    src.mkdir(parents=True)
+    (src / "storage").symlink_to(REPO / "storage", target_is_directory=True)
+    code = textwrap.dedent(f"""
+        import sys
+        from hookline.storage import open_run
+        run = open_run({str(run_dir)!r})
+        f = run[{HID!r}]["outputs.0"]
+        assert f[5].shape == (8, 16) and float(f[5][0, 0]) == 5.0
+        assert "torch" not in sys.modules
+        for m in ("torch", "mlflow", "hdf5plugin"):
+            try:
+                __import__(m)
+                raise SystemExit(m + " is installed in the bare venv")
+            except ImportError:
+                pass
+        print("read ok")
+    """)
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    env["PYTHONPATH"] = str(tmp_path / "src")
+    r = subprocess.run([str(py), "-c", code], capture_output=True, text=True, timeout=60, env=env, cwd=tmp_path)
+    assert r.returncode == 0 and "read ok" in r.stdout, r.stdout + r.stderr

@@ -1,0 +1,91 @@
+"""verify(): reports, repairs, never deletes data."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+
+from hookline.storage import RunWriter, open_run, verify
+from _storage_support import GID, HID, record_value, write_std_run
+
+
+def _killed_run(run_dir):
+    """Simulate a killed writer: flushed segments + an unflushed .partial, no close()."""
+    w = write_std_run(run_dir, n=30, flush_every=5, fsync=False)
+    for i in range(30, 33):
+        w.write(HID, i, 0, {"outputs.0": record_value(i)})
+    import time
+
+    time.sleep(0.1)
+    # Copy the directory as it is now (like a SIGKILL snapshot), then let the writer finish.
+    snap = run_dir.parent / "killed"
+    shutil.copytree(run_dir, snap)
+    w.close()
+    return snap
+
+
+def test_clean_run_is_ok(run_dir):
+    write_std_run(run_dir, n=8).close()
+    rep = verify(run_dir)
+    assert rep.ok and rep.records == 16, str(rep)
+    h = next(h for h in rep.handles if h.handle_id == HID)
+    assert h.files == ["outputs/blocks.0.h5"] and h.fields == {"outputs.0": 8, "outputs.1": 8}
+    d = rep.to_dict()
+    assert d["ok"] is True and json.dumps(d)
+
+
+def test_killed_run_reported_then_repaired(run_dir):
+    snap = _killed_run(run_dir)
+    rep = verify(snap)
+    assert not rep.ok
+    text = str(rep)
+    assert "partial" in text and "not merged" in text
+    before = open_run(snap)[HID]
+    n = len(before)
+    assert n == 30
+    ref = before["outputs.0"].read()
+    rep = verify(snap, repair=True)
+    assert rep.ok, str(rep)
+    assert sorted(p.name for p in (snap / "outputs").iterdir()) == ["blocks.0.h5"]
+    assert any(p.name.endswith(".partial") for p in (snap / ".quarantine").rglob("*"))  # moved, not deleted
+    after = open_run(snap)
+    assert after.status == "closed"
+    assert np.array_equal(after[HID]["outputs.0"].read(), ref)
+    assert after[GID]["grad_out.0"].steps.tolist() == list(range(0, 30, 2))
+    m = json.loads((snap / "manifest.json").read_text())
+    assert m["handles"][HID]["records"] == 30
+    assert verify(snap).ok
+
+
+def test_corrupt_file_is_moved_aside(run_dir):
+    w = write_std_run(run_dir, n=20, flush_every=5, fsync=False)
+    snap = run_dir.parent / "snap"
+    shutil.copytree(run_dir, snap)
+    w.close()
+    segs = sorted((snap / "outputs").glob("*.h5seg"))
+    assert segs[-1].name.endswith("r000000000015-000000000020.h5seg")
+    segs[-1].write_bytes(b"garbage" * 100)  # last segment destroyed
+    rep = verify(snap)
+    assert not rep.ok and "unreadable" in str(rep)
+    with pytest.warns(UserWarning, match="unreadable"):
+        assert len(open_run(snap)[HID]) == 15  # the reader uses what is readable
+    rep = verify(snap, repair=True)
+    assert rep.ok, str(rep)
+    assert (snap / ".quarantine" / "outputs" / segs[-1].name).read_bytes().startswith(b"garbage")
+    assert len(open_run(snap)[HID]) == 15
+    m = json.loads((snap / "manifest.json").read_text())
+    assert m["handles"][HID]["records"] == 15 and m["handles"][HID]["lost"]
+
+
+def test_missing_manifest_is_rebuilt(run_dir):
+    write_std_run(run_dir, n=4).close()
+    os.unlink(run_dir / "manifest.json")
+    run = open_run(run_dir)  # synthesised from file attributes
+    assert sorted(run.handles) == sorted([HID, GID])
+    rep = verify(run_dir, repair=True)
+    assert (run_dir / "manifest.json").exists()
+    assert len(open_run(run_dir)[HID]) == 4, str(rep)
