@@ -1,0 +1,149 @@
+"""Benchmark: cost of hookline's managed hooks (SPEC §8, hook rows).
+
+Run: ``python tests/benchmarks/bench_hooks.py [--repeats 15] [--steps 10]``
+
+Prints, per model (a 20-layer Linear MLP and a small ResNet-style conv net, no-op hook
+functions on every leaf module, one step = forward + backward on CPU with
+``torch.set_num_threads(1)`` so that timings are not thread-scheduling noise):
+
+(a) backward hooks: hookline step time / torch ``register_full_backward_hook`` step time
+    (target <= 1.3x), and each one's overhead over the no-hook step;
+(b) registered but deactivated hookline hooks: step time / no-hook step time (target <= 1.02x);
+(c) forward hooks: hookline forward-hook step time / no-hook step time, and per hooked call.
+
+Variants run in shuffled order within every repeat (so drift hits all alike); each number is
+the median over repeats of the mean step time over ``--steps`` steps, after warmup, measured as
+process CPU time (``time.process_time``; with one thread this is the step's compute and is not
+inflated by other processes competing for the cores). The ResNet uses
+out-of-place ReLU and residual add because torch's full backward hook raises on in-place ones.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from hookline.tracker import HookManager
+
+
+def mlp(layers: int = 20, width: int = 256) -> nn.Module:
+    mods: list[nn.Module] = []
+    for _ in range(layers):
+        mods += [nn.Linear(width, width), nn.ReLU()]
+    return nn.Sequential(*mods)
+
+
+class Block(nn.Module):
+    def __init__(self, c: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(c, c, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(c)
+        self.relu = nn.ReLU()
+        self.conv2 = nn.Conv2d(c, c, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(c)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.relu(self.bn1(self.conv1(x)))
+        return self.relu(self.bn2(self.conv2(out)) + x)
+
+
+def resnet(blocks: int = 4, c: int = 16) -> nn.Module:
+    return nn.Sequential(nn.Conv2d(3, c, 3, padding=1), nn.ReLU(), *[Block(c) for _ in range(blocks)],
+                         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(c, 10))
+
+
+def leaves(model: nn.Module) -> dict[str, nn.Module]:
+    return {n: m for n, m in model.named_modules() if not list(m.children())}
+
+
+def noop(*args: object) -> None:
+    return None
+
+
+def measure(model: nn.Module, x: torch.Tensor, variants: dict[str, tuple[Callable, Callable]],
+            repeats: int, steps: int) -> dict[str, float]:
+    """Median seconds per step for each variant; a variant is (setup, teardown)."""
+    def step() -> None:
+        model(x).sum().backward()
+
+    times: dict[str, list[float]] = {k: [] for k in variants}
+    for setup, teardown in variants.values():  # warmup
+        setup()
+        for _ in range(3):
+            step()
+        teardown()
+    order = list(variants.items())
+    for _ in range(repeats):
+        random.shuffle(order)
+        for name, (setup, teardown) in order:
+            setup()
+            t0 = time.process_time()
+            for _ in range(steps):
+                step()
+            times[name].append((time.process_time() - t0) / steps)
+            teardown()
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def bench(label: str, model: nn.Module, x: torch.Tensor, repeats: int, steps: int) -> None:
+    targets = leaves(model)
+    mgr = HookManager()
+    bwd = mgr.register_backward_hook(noop, hook_fn_name="bwd", activate=False, **targets)
+    fwd = mgr.register_forward_hook(noop, hook_fn_name="fwd", activate=False, **targets)
+    torch_handles: list = []
+
+    def torch_on() -> None:
+        torch_handles.extend(m.register_full_backward_hook(noop) for m in targets.values())
+
+    def torch_off() -> None:
+        while torch_handles:
+            torch_handles.pop().remove()
+
+    nothing = (lambda: None, lambda: None)
+    variants = {
+        "none": nothing,
+        # hookline hooks registered, all inactive: the state between the other variants. It
+        # leaves no torch hook on any module, so it is "none" again; measured separately to show it.
+        "deactivated": nothing,
+        "torch_bwd": (torch_on, torch_off),
+        "hookline_bwd": (lambda: mgr.activate_all_hooks(hook_types=[bwd]), mgr.deactivate_all_hooks),
+        "hookline_fwd": (lambda: mgr.activate_all_hooks(hook_types=[fwd]), mgr.deactivate_all_hooks),
+    }
+    t = measure(model, x, variants, repeats, steps)
+    mgr.remove_all_hooks()
+    calls = len(targets)
+    print(f"\n== {label}: {calls} hooked modules, no-hook step {t['none'] * 1e3:.2f} ms")
+    print(f"(a) backward hooks: hookline / torch full backward hook = "
+          f"{t['hookline_bwd'] / t['torch_bwd']:.3f}x   (target <= 1.3x)")
+    print(f"    overhead over no hooks: hookline {(t['hookline_bwd'] / t['none'] - 1) * 100:+.1f}%, "
+          f"torch {(t['torch_bwd'] / t['none'] - 1) * 100:+.1f}%  "
+          f"({(t['hookline_bwd'] - t['none']) / calls * 1e6:.1f} vs "
+          f"{(t['torch_bwd'] - t['none']) / calls * 1e6:.1f} us per hooked call)")
+    print(f"(b) deactivated hooks / no hooks = {t['deactivated'] / t['none']:.3f}x   (target <= 1.02x)")
+    print(f"(c) forward hooks / no hooks = {t['hookline_fwd'] / t['none']:.3f}x  "
+          f"({(t['hookline_fwd'] - t['none']) / calls * 1e6:.1f} us per hooked call)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--steps", type=int, default=10)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, "
+          f"median of {args.repeats} repeats x {args.steps} steps")
+    bench("MLP 20 x Linear(256, 256) + ReLU, batch 64", mlp(), torch.randn(64, 256, requires_grad=True),
+          args.repeats, args.steps)
+    bench("ResNet-ish: 4 basic blocks, 16 channels, 32x32, batch 8", resnet(),
+          torch.randn(8, 3, 32, 32, requires_grad=True), args.repeats, args.steps)
+
+
+if __name__ == "__main__":
+    main()
