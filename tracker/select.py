@@ -8,6 +8,8 @@ from torch import nn
 
 from hookline.storage.errors import HookTypeError
 
+from .distributed import unwrap
+
 __all__ = ["select"]
 
 
@@ -22,10 +24,11 @@ def select(
     registration call: ``mgr.register_forward_hook(fn, **select(model, "encoder.layers.*.mlp"))``.
     Names are the qualified names of ``named_modules()``; the root module's name is ``""``, so
     ``"*"`` includes it (its handle ids read ``fn[]``). A module reachable under several names is
-    listed once, under its first name.
+    listed once, under its first name. A ``DistributedDataParallel`` / ``DataParallel`` wrapper is
+    looked through, so names carry no ``module.`` prefix and match those of a single-process run.
 
     Args:
-        model: the root module.
+        model: the root module (or a DDP/DataParallel wrapper of it).
         pattern: an ``fnmatch`` glob, case-sensitive (``*`` also matches dots:
             ``"blocks.*"`` selects ``blocks.0`` and ``blocks.0.mlp``; use ``"blocks.?"`` or
             ``types`` to narrow).
@@ -49,6 +52,6 @@ def select(
         raise HookTypeError(f"select() types must be a type or a tuple of types, got {types!r}")
     return {
         name: module
-        for name, module in model.named_modules()
+        for name, module in unwrap(model).named_modules()
         if fnmatchcase(name, pattern) and (types is None or isinstance(module, types))
     }

@@ -1,0 +1,57 @@
+"""Worker for the 2-process gloo DDP tests (imported by torch.multiprocessing.spawn children)."""
+
+from __future__ import annotations
+
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from hookline.tracker import HookManager, Recorder, select
+
+
+def train(rank: int, world: int, init_file: str, run_dir: str, uri: str | None, out_dir: str,
+          extra_handle_on_rank: int = -1) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    result: dict = {"rank": rank}
+    try:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+        ddp = DDP(model)
+        run_id = None
+        if rank == 0 and uri is not None:
+            from mlflow import MlflowClient
+
+            client = MlflowClient(uri)
+            run_id = client.create_run(client.create_experiment(f"ddp-{Path(run_dir).name}")).info.run_id
+        mgr = HookManager()
+        rec = Recorder(run_dir, every=1, mlflow_run_id=run_id, tracking_uri=uri)
+        linears = select(ddp, "*", types=nn.Linear)  # names without DDP's "module." prefix
+        result["names"] = sorted(linears)
+        mgr.register_forward_hook(rec.outputs, **linears)
+        mgr.register_backward_hook(rec.grads, **linears)
+        if rank == extra_handle_on_rank:
+            mgr.register_forward_hook(rec.inputs, relu=model[1])
+        seen: dict[str, list] = {n: [] for n in linears}
+        for n, m in linears.items():
+            m.register_forward_hook(lambda m, i, o, n=n: seen[n].append(o.detach().clone()))
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        g = torch.Generator().manual_seed(100 + rank)  # each rank its own data
+        for step in range(3):
+            with rec.step(step):
+                loss = ddp(torch.randn(5, 4, generator=g)).square().sum()
+                opt.zero_grad()
+                loss.backward()
+            opt.step()
+        result["run_id"] = rec.mlflow_run_id
+        result["seen"] = seen
+        rec.close()
+    except Exception as e:  # reported to the parent test through the result file
+        result["error"] = f"{type(e).__name__}: {e}"
+        result["traceback"] = traceback.format_exc()
+    finally:
+        torch.save(result, Path(out_dir) / f"rank{rank}.pt")
+        dist.destroy_process_group()

@@ -1,0 +1,66 @@
+"""Two gloo processes training a DDP model record into one run and one MLflow run (SPEC §7)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.multiprocessing as mp
+from click.testing import CliRunner
+from mlflow import MlflowClient
+
+from _ddp_worker import train
+from hookline.cli.main import cli
+from hookline.storage import open_run
+
+
+def _spawn(tmp_path, uri, extra_handle_on_rank=-1):
+    out = tmp_path / "out"
+    out.mkdir()
+    mp.spawn(train, args=(2, str(tmp_path / "init"), str(tmp_path / "run"), uri, str(out), extra_handle_on_rank),
+             nprocs=2, join=True)
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
+
+
+def test_ddp_two_ranks_one_run(tmp_path, mlflow_server):
+    results = _spawn(tmp_path, mlflow_server)
+    for r in results:
+        assert "error" not in r, r.get("traceback")
+        assert r["names"] == ["0", "2"]
+    run_id = results[0]["run_id"]
+    assert run_id and results[1]["run_id"] == run_id  # rank 0's id reached rank 1
+
+    run = open_run(tmp_path / "run")
+    assert run.ranks == [0, 1]
+    assert sorted(run.handles) == ["grads[0]", "grads[2]", "outputs[0]", "outputs[2]"]
+    for r in range(2):
+        for name in ("0", "2"):
+            f = run.handle(f"outputs[{name}]", rank=r)["outputs.0"]
+            assert list(f.steps) == [0, 1, 2]
+            for i, t in enumerate(results[r]["seen"][name]):
+                np.testing.assert_array_equal(f[i], t.numpy())
+    merged = run["outputs[0]"]
+    assert sorted(merged.ranks.tolist()) == [0, 0, 0, 1, 1, 1]
+    # the ranks saw different data, so their records differ
+    assert not np.array_equal(run.handle("outputs[0]", rank=0)["outputs.0"][0],
+                              run.handle("outputs[0]", rank=1)["outputs.0"][0])
+
+    client = MlflowClient(mlflow_server)
+    arts = {a.path for a in client.list_artifacts(run_id, "hookline/outputs")}
+    assert {"hookline/outputs/0.rank0.h5", "hookline/outputs/0.rank1.h5"} <= arts, arts
+    remote = open_run(f"runs:/{run_id}", tracking_uri=mlflow_server, cache_dir=tmp_path / "cache")
+    assert remote.ranks == [0, 1]
+    np.testing.assert_array_equal(remote.handle("outputs[2]", rank=1)["outputs.0"].read(),
+                                  run.handle("outputs[2]", rank=1)["outputs.0"].read())
+
+    res = CliRunner().invoke(cli, ["show", str(tmp_path / "run")])
+    assert res.exit_code == 0, res.output
+    assert "outputs[0]" in res.output
+
+
+def test_ranks_with_different_handles_fail_clearly_without_hanging(tmp_path):
+    results = _spawn(tmp_path, None, extra_handle_on_rank=1)
+    for r in results:
+        assert "ranks registered different hook handles" in r.get("error", ""), r
+        assert "inputs[relu]" in r["error"]
+    # each rank's files are complete all the same
+    assert open_run(tmp_path / "run").ranks == [0, 1]
