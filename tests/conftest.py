@@ -18,8 +18,9 @@ MLflow fixtures:
 Autouse: every test gets ``MLFLOW_TRACKING_URI=sqlite:///<tmp_path>/mlflow.db`` (nothing is created
 until MLflow is used) so that no test ever writes ``mlflow.db`` into the repository, and MLflow's
 HTTP retries are cut (``MLFLOW_HTTP_REQUEST_MAX_RETRIES=2``, timeout 20 s) so that a test talking to
-a dead server fails in seconds, not minutes. Tests that use MLflow should still use one of the
-fixtures above (a fresh sqlite DB per test costs a migration).
+a dead server fails in seconds, not minutes. ``HOOKLINE_CACHE_DIR`` points into ``tmp_path`` too,
+so reading ``runs:/...`` never fills ``~/.cache/hookline``. Tests that use MLflow should still use
+one of the fixtures above (a fresh sqlite DB per test costs a migration).
 """
 
 from __future__ import annotations
