@@ -242,3 +242,37 @@ def test_torch_full_backward_hook_fails_where_hookline_works():
     out.sum().backward()
     mgr.remove_all_hooks()
     torch.testing.assert_close(calls[0][2][0], torch.ones(2, 4))
+
+
+def test_no_input_needs_grad_and_unused_output_fires_at_end_of_pass(mgr):
+    lstm = nn.LSTM(2, 3)
+    calls, hook = counter()
+    mgr.register_backward_hook(hook, lstm=lstm)
+    out, (h, c) = lstm(torch.randn(4, 1, 2))
+    (out.sum() + h.sum()).backward()
+    assert len(calls) == 1
+    _, grad_in, grad_out = calls[0]
+    assert grad_in == (None,) and [g is None for g in grad_out] == [False, False, True]
+
+
+def test_hook_error_from_end_of_pass_callback_propagates(mgr):
+    lin = nn.Linear(3, 3)
+
+    def bad(module, gi, go):
+        raise ValueError("late")
+
+    mgr.register_backward_hook(bad, hook_fn_name="bad", lin=lin)
+    y = lin(torch.randn(2, 3, requires_grad=True))
+    with pytest.raises(HookFunctionError, match=r"bad\[lin\].*ValueError: late"):
+        torch.autograd.grad(y.sum(), y)
+
+
+def test_double_backward_works(mgr):
+    lin = nn.Linear(3, 3)
+    calls, hook = counter()
+    mgr.register_backward_hook(hook, lin=lin)
+    x = torch.randn(2, 3, requires_grad=True)
+    (g,) = torch.autograd.grad(lin(x).pow(2).sum(), x, create_graph=True)
+    assert len(calls) == 1
+    g.pow(2).sum().backward()  # the output gets a gradient again: one more firing
+    assert len(calls) == 2 and x.grad is not None

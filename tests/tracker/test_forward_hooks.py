@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from hookline.tracker import HookFunctionError, HookOutputError, Leaves
+from hookline.tracker import HookFunctionError, HooklineError, HookOutputError, Leaves
 
 
 class Kw(nn.Module):
@@ -123,7 +123,8 @@ def test_wrong_length_or_type_raises_hook_output_error(mgr):
     mgr.register_forward_hook(lambda mod, i, o: (o[0], o[0]), hook_fn_name="two", lin=lin)
     with pytest.raises(HookOutputError) as e:
         lin(torch.ones(1, 2))
-    assert isinstance(e.value, ValueError) and "'two[lin]'" in str(e.value) and "2 outputs" in str(e.value)
+    assert isinstance(e.value, ValueError) and isinstance(e.value, HooklineError)
+    assert "'two[lin]'" in str(e.value) and "2 outputs" in str(e.value)
     assert "has 1" in str(e.value)
     mgr.remove_all_hooks()
     mgr.register_forward_pre_hook(lambda mod, i: {"x": i[0]}, hook_fn_name="dict", lin=lin)
@@ -140,7 +141,7 @@ def test_hook_exception_is_wrapped_with_handle_id(mgr):
     mgr.register_forward_hook(bad, hook_fn_name="bad", lin=lin)
     with pytest.raises(HookFunctionError) as e:
         lin(torch.ones(1, 2))
-    assert isinstance(e.value, RuntimeError)
+    assert isinstance(e.value, RuntimeError) and isinstance(e.value, HooklineError)
     assert "'bad[lin]'" in str(e.value) and "TypeError: no good" in str(e.value)
     assert isinstance(e.value.__cause__, TypeError)
 

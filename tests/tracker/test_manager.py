@@ -306,3 +306,15 @@ def test_select_patterns_and_types():
         select(model, 3)
     with pytest.raises(HookTypeError, match="types"):
         select(model, "*", "Linear")
+
+
+def test_leftover_hook_check_reports_hooks():
+    from _hook_checks import leftover_hooks
+
+    lin = nn.Linear(2, 2)
+    handle = lin.register_forward_hook(fwd)
+    try:
+        assert leftover_hooks([lin]) and "Linear._forward_hooks" in leftover_hooks([lin])[0]
+    finally:
+        handle.remove()
+    assert leftover_hooks([lin]) == []
