@@ -398,3 +398,31 @@ def test_partial_fields_and_stats_mode_fields(sqlite_tracking_uri, tmp_path):
     keys = set(client.get_run(rid).data.metrics)
     assert not any("mean" in k for k in keys), keys
     assert json.loads(client.get_run(rid).data.tags[tag_key("grads[fc]", "fields")]) == ["grad_in.0", "grad_out.0"]
+
+
+def test_one_failed_upload_is_reported_and_retried_alone(sqlite_tracking_uri, tmp_path):
+    from mlflow import MlflowClient
+
+    client = MlflowClient(sqlite_tracking_uri)
+    rid = client.create_run("0").info.run_id
+    built = build_run(tmp_path / "run", SPECS, records=3)
+    adapter = MlflowAdapter(rid, tracking_uri=sqlite_tracking_uri)
+    real = adapter.client.log_artifact
+
+    def flaky(run_id, local_path, artifact_path=None):
+        if local_path.endswith("grads/blocks.0.h5"):
+            raise OSError("disk quota exceeded on the artifact store")
+        return real(run_id, local_path, artifact_path)
+
+    adapter.client.log_artifact = flaky
+    with pytest.raises(TrackingError, match="grads/blocks.0.h5.*disk quota") as ei:
+        adapter.log_run_dir(built.path)
+    rep = ei.value.report
+    assert rep.uploaded == ["hookline/outputs/blocks.0.h5"] and rep.metrics > 0
+    assert "hookline/manifest.json" not in rep.uploaded  # the manifest waits for every file
+    tags = client.get_run(rid).data.tags
+    assert tag_key("grads[blocks.0]", "artifact") not in tags
+    again = sync(built.path, rid, tracking_uri=sqlite_tracking_uri)
+    assert again.ok and sorted(again.uploaded) == ["hookline/grads/blocks.0.h5", "hookline/manifest.json"]
+    assert again.metrics == 0
+    assert len(client.get_metric_history(rid, metric_key("grads[blocks.0]", "grad_out.0"))) == 3
