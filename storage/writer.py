@@ -11,6 +11,7 @@ a flushed record in a file that may not open. A second thread compacts sealed se
 
 from __future__ import annotations
 
+import atexit
 import errno as _errno
 import fnmatch
 import json
@@ -20,6 +21,7 @@ import os
 import re
 import threading
 import time
+import weakref
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -318,6 +320,9 @@ class RunWriter:
         self._thread.start()
         self._compactor = threading.Thread(target=self._compact_loop, name="hookline-compactor", daemon=True)
         self._compactor.start()
+        # Close at interpreter exit (atexit runs while daemon threads still run), weakly.
+        self._atexit = _weak_close(self)
+        atexit.register(self._atexit)
 
     # --- configuration ----------------------------------------------------------------------------
     @staticmethod
@@ -538,6 +543,7 @@ class RunWriter:
             first = not (self._closed or self._closing)
             self._closing = True
         if first:
+            atexit.unregister(self._atexit)
             try:
                 self._submit_and_wait("close")
             except StorageError:
@@ -560,12 +566,6 @@ class RunWriter:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
-    def __del__(self) -> None:  # pragma: no cover - best effort at interpreter exit
-        try:
-            if not self._closed and not self._closing and self._thread.is_alive():
-                self.close()
-        except Exception:
-            pass
 
     # --- background thread ----------------------------------------------------------------------------
     def _release(self, nbytes: int) -> None:
@@ -595,7 +595,8 @@ class RunWriter:
 
     def _run(self) -> None:
         try:
-            self._loop()
+            with np.errstate(all="ignore"):  # norms of inf/NaN data: no warnings (thread-local)
+                self._loop()
         except BaseException as e:  # pragma: no cover - defensive: never leave callers hanging
             self._fail(e)
             with self._cond:
@@ -1062,6 +1063,20 @@ class RunWriter:
         self._current_path = None
 
 
+def _weak_close(w: RunWriter) -> Any:
+    ref = weakref.ref(w)
+
+    def close() -> None:
+        obj = ref()
+        if obj is not None and not obj._closed:
+            try:
+                obj.close()
+            except Exception:  # pragma: no cover - reported through the manifest
+                pass
+
+    return close
+
+
 def _pick_merge(sizes: list[int]) -> tuple[int, int] | None:
     """Pick a trailing run of sealed segments to merge (size-tiered, like an LSM tree).
 
@@ -1095,9 +1110,8 @@ def _l2(arr: np.ndarray, dn: str) -> float:
         x = dtypes.to_float(arr, dn).reshape(-1)
         if x.dtype.kind == "c":
             x = x.view(np.float32)
-    with np.errstate(all="ignore"):
-        s = float(np.dot(x, x))
-        if not math.isfinite(s) or s < 1e-30:
-            x64 = x.astype(np.float64)
-            s = float(np.dot(x64, x64))
+    s = float(np.dot(x, x))
+    if not math.isfinite(s) or s < 1e-30:
+        x64 = x.astype(np.float64)
+        s = float(np.dot(x64, x64))
     return math.sqrt(s) if s == s else float("nan")
