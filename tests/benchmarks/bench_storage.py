@@ -260,7 +260,7 @@ def main() -> None:
             print(f"  {k:15s} {gb / med[k]:6.2f} GiB/s  ({med[k]:.2f} s)")
         print(f"  caller-side copy of the records alone: {med['copy']:.2f} s")
         print(f"  RATIO writer / tofile          = {med['tofile'] / med['writer']:.2f}x   (target >= 0.7)")
-        print(f"  RATIO writer(flush/1024) / tofile = {med['tofile'] / med['writer_flush64']:.2f}x")
+        print(f"  RATIO writer(flush/1024) / tofile = {med['tofile'] / med['writer_flush1k']:.2f}x")
         print(f"  RATIO writer / naive h5py      = {med['naive'] / med['writer']:.2f}x   (target >= 3)")
 
         r = bench_read(d, args.size_gb, pool)
