@@ -66,11 +66,15 @@ class _Rebase(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, tensor: _Tensor, result: _Tensor) -> _Tensor:  # type: ignore[override]
         ctx.mark_dirty(tensor)
+        # For a view, autograd wraps this node in CopySlices, which drops the gradient of the
+        # whole base when the view's own gradient is None: send an (expanded) zero instead.
+        ctx.is_view = tensor._is_view()
         return tensor
 
     @staticmethod
-    def backward(ctx: Any, grad: _Tensor) -> tuple[None, _Tensor]:  # type: ignore[override]
-        return None, grad
+    def backward(ctx: Any, grad: _Tensor) -> tuple[_Tensor | None, _Tensor]:  # type: ignore[override]
+        # The old value's contribution already flows through ``result``'s history.
+        return (grad.new_zeros(()).expand_as(grad) if ctx.is_view else None), grad
 
 
 class PendingInputs:

@@ -204,3 +204,27 @@ def test_frozen_parameters(mgr):
     m[0].requires_grad_(False)
     x = torch.randn(3, 4, requires_grad=True)
     check(mgr, m, copy.deepcopy(m), lambda mod: mod(x).pow(2).sum())
+
+
+def test_inplace_module_on_a_view_input(mgr):
+    """A hooked in-place ReLU on a slice of a larger tensor that the caller keeps using."""
+    a = torch.randn(4, 3, requires_grad=True)
+    weights = torch.arange(3.0)
+    relu = nn.ReLU(inplace=True)
+    got, hook = recorder()
+    mgr.register_backward_hook(hook, relu=relu)
+    base = a * 1
+    y = relu(base[1:])
+    ((y * 2).sum() + (base * weights).sum()).backward()
+
+    a2 = a.detach().requires_grad_()
+    base2 = a2 * 1
+    v = base2[1:].view_as(base2[1:])
+    y2 = torch.relu(v)
+    new_base = torch.cat([base2[:1], y2])  # what the in-place op makes of `base`
+    loss = (y2 * 2).sum() + (new_base * weights).sum()
+    grad_v, grad_y, grad_a = torch.autograd.grad(loss, [v, y2, a2])
+    ((grad_in,), (grad_out,)), = got["relu"]
+    torch.testing.assert_close(grad_in, grad_v)
+    torch.testing.assert_close(grad_out, grad_y)
+    torch.testing.assert_close(a.grad, grad_a)
