@@ -26,6 +26,8 @@ BASE_FILTER = f"tags.`{VERSION_TAG}` LIKE '%'"
 
 _HANDLES = re.compile(r"^hookline\.handles(?:-rank\d+)?$")
 _HAS = re.compile(r"^hookline\.has\.(.+)$")
+_STATUS = {"FINISHED": "done", "RUNNING": "running", "FAILED": "failed", "KILLED": "killed",
+           "SCHEDULED": "sched"}
 
 
 def run_info(run: Any, experiments: dict[str, str]) -> dict[str, Any]:
@@ -78,7 +80,9 @@ def runs(experiment: str | None, filter_string: str | None, max_results: int, tr
          as_json: bool) -> None:
     """List MLflow runs that hold hookline data, with handle counts, records and sizes.
 
-    A run holds hookline data when it carries the hookline.version tag, which the MLflow
+    The table shows run id, name, status, start time (UTC, month-day hour:minute), handle count
+    and size; --json adds the experiment, record counts and module types. A run holds hookline
+    data when it carries the hookline.version tag, which the MLflow
     adapter sets when a Recorder (with mlflow_run_id=...) or `hookline sync` registers a run
     directory. Open one with `hookline show runs:/<run_id>`.
 
@@ -133,17 +137,25 @@ def runs(experiment: str | None, filter_string: str | None, max_results: int, tr
     from rich import box
     from rich.table import Table
 
-    table = Table(box=box.SIMPLE_HEAD, show_edge=False, collapse_padding=True, title=f"{len(infos)} runs with hookline data at {esc(uri)}", title_justify="left", pad_edge=False)
+    exps = {i["experiment"] for i in infos}
+    one_exp = len(exps) == 1
+    where = f" in experiment {esc(next(iter(exps)))}" if one_exp else ""
+    table = Table(box=box.SIMPLE_HEAD, show_edge=False, collapse_padding=True, pad_edge=False,
+                  title=f"{len(infos)} runs with hookline data{where} at {esc(uri)}", title_justify="left")
     table.add_column("run id", no_wrap=True)
-    table.add_column("name", overflow="fold", ratio=2)
-    table.add_column("experiment", overflow="fold", ratio=1)
+    table.add_column("name", overflow="fold", min_width=8)
+    if not one_exp:
+        table.add_column("experiment", overflow="fold", min_width=10)
     table.add_column("status", no_wrap=True)
-    table.add_column("started (UTC)", no_wrap=True)
-    table.add_column("handles", justify="right")
-    table.add_column("records", justify="right")
+    table.add_column("started", no_wrap=True)
+    table.add_column("handles", justify="right", no_wrap=True)
     table.add_column("size", justify="right", no_wrap=True)
     for i in infos:
-        started = (i["start_time"] or "-").replace("T", " ").replace("+00:00", "")
-        table.add_row(i["run_id"], plain(i["run_name"]), plain(i["experiment"]), i["status"], started,
-                      str(i["handles"]), str(i["records"]), human_bytes(i["bytes"]))
+        started = (i["start_time"] or "-").replace("T", " ").replace("+00:00", "")[5:16]
+        row = [i["run_id"], plain(i["run_name"])]
+        if not one_exp:
+            row.append(plain(i["experiment"]))
+        status = _STATUS.get(i["status"], str(i["status"]).lower())
+        row += [status, started, str(i["handles"]), human_bytes(i["bytes"])]
+        table.add_row(*row)
     c.print(table)
