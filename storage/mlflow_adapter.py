@@ -74,8 +74,6 @@ MAX_MLFLOW_KEY = 250
 MAX_TAG_VALUE = 8000
 #: Artifact folder that holds a run directory inside the MLflow run.
 ARTIFACT_ROOT = "hookline"
-#: Summary statistics logged per field, next to the ``.norm`` series.
-SUMMARY_STATS = ("norm_max", "norm_last")
 #: ``mode="stats"`` fields other than ``.norm`` get no metric series of their own.
 _STATS_SUFFIXES = (".mean", ".std", ".min", ".max", ".absmax", ".hist")
 _RUN_ID = re.compile(r"^[0-9a-f]{32}$")
@@ -451,7 +449,8 @@ class MlflowAdapter:
         self._thread: threading.Thread | None = None
         self._seen: list[Path] = []
         self._last_dir: Path | None = None
-        self._report = SyncReport(run_id)
+        self._report = SyncReport(run_id)  # counts since the last wait()
+        self._errs: dict[tuple[Path, int], list[str]] = {}  # outstanding failures per (dir, mode)
         self._closed = False
         self._final: SyncReport | None = None
         self._hashes: dict[Path, tuple] = {}
@@ -529,7 +528,9 @@ class MlflowAdapter:
             raise_on_error: raise instead of returning a failed report.
 
         Returns:
-            The combined :class:`SyncReport` of the passes since the previous ``wait``.
+            The combined :class:`SyncReport` of the passes since the previous ``wait``. Its
+            ``errors`` are the failures not made good since by a later successful pass (a failed
+            mid-run pass followed by a successful one is not an error any more).
 
         Raises:
             TrackingError: if a pass failed (or the wait timed out) and ``raise_on_error``.
@@ -543,6 +544,8 @@ class MlflowAdapter:
                     break
                 self._cond.wait(left)
             report, self._report = self._report, SyncReport(self.run_id)
+            report.errors = [e for errs in self._errs.values() for e in errs] + report.errors
+            self._errs.clear()
         if not report.ok and raise_on_error:
             raise report.error(self._last_dir)
         return report
@@ -617,7 +620,13 @@ class MlflowAdapter:
             except BaseException as e:  # noqa: BLE001 - reported, never raised into training
                 rep = SyncReport(self.run_id, errors=[f"{run_dir}: {_short(e)}"])
             with self._cond:
+                errors, rep.errors = rep.errors, []
                 self._report.merge(rep)
+                if errors:
+                    self._errs[(run_dir, up)] = errors
+                else:  # a later successful pass covers what earlier failed passes of this scope missed
+                    for k in [k for k in self._errs if k[0] == run_dir and k[1] <= up]:
+                        del self._errs[k]
                 self._busy = False
                 self._cond.notify_all()
 

@@ -426,3 +426,28 @@ def test_one_failed_upload_is_reported_and_retried_alone(sqlite_tracking_uri, tm
     assert again.ok and sorted(again.uploaded) == ["hookline/grads/blocks.0.h5", "hookline/manifest.json"]
     assert again.metrics == 0
     assert len(client.get_metric_history(rid, metric_key("grads[blocks.0]", "grad_out.0"))) == 3
+
+
+def test_failed_mid_run_pass_made_good_by_the_final_one_is_not_an_error(sqlite_tracking_uri, tmp_path):
+    from mlflow import MlflowClient
+
+    client = MlflowClient(sqlite_tracking_uri)
+    rid = client.create_run("0").info.run_id
+    built = build_run(tmp_path / "run", SPECS, records=3)
+    adapter = MlflowAdapter(rid, tracking_uri=sqlite_tracking_uri)
+    real = adapter.client.log_batch
+    calls = []
+
+    def once_down(*a, **k):
+        calls.append(1)
+        if len(calls) == 1:
+            raise ConnectionError("tracking server unreachable")
+        return real(*a, **k)
+
+    adapter.client.log_batch = once_down
+    adapter.submit(built.path)
+    while not calls:
+        time.sleep(0.01)
+    final = adapter.close(timeout=60)  # the final pass succeeds: nothing is missing
+    assert final.ok and len(final.uploaded) == 3
+    assert len(client.get_metric_history(rid, metric_key("grads[blocks.0]", "grad_out.0"))) == 3
