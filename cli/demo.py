@@ -48,12 +48,7 @@ def train_one(run_dir: Path, lr: float, steps: int, every: int, *, mlflow_run_id
     Linear layers' outputs and gradients every ``every`` steps. Returns (losses, summary, error)."""
     import torch
 
-    try:
-        from hookline.tracker import HookManager, Recorder, select
-    except ImportError:  # older tracker/__init__ without the re-exports
-        from hookline.tracker.manager import HookManager
-        from hookline.tracker.recorder import Recorder
-        from hookline.tracker.select import select
+    from hookline.tracker import HookManager, Recorder, select
 
     # A model this small trains fastest on one thread; more threads only contend with the
     # recorder's background writer (10-40x slower on a 2-core machine).
@@ -185,7 +180,7 @@ def demo(out: str, tracking_uri: str | None, steps: int, every: int, no_mlflow: 
     c.print(f"hookline demo: training an MLP (16-64-64-1) twice on synthetic data, {steps} steps each, "
             f"recording outputs and gradients of {', '.join(LAYERS)} every {every} steps", soft_wrap=True)
     if mlflow_note:
-        c.print(f"[yellow]warning:[/] {esc(mlflow_note)}", soft_wrap=True)
+        console(stderr=True).print(f"[yellow]warning:[/] {esc(mlflow_note)}", soft_wrap=True)
 
     runs: list[dict[str, Any]] = []
     t0 = time.perf_counter()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import os
+import warnings
 from typing import Any, Callable, TypeVar
 
 import click
@@ -59,10 +60,20 @@ def translate_errors(fn: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
+def _show_warning(message: Any, category: type, filename: str, lineno: int, file: Any = None,
+                  line: str | None = None) -> None:
+    """Python warnings as one ``warning: ...`` line on stderr (no source line, no path)."""
+    click.echo(f"warning: {one_line(str(message)).removeprefix('hookline: ')}", err=True)
+
+
 class HooklineGroup(click.Group):
-    """The ``hookline`` group: library errors in any subcommand become one-line messages."""
+    """The ``hookline`` group: library errors in any subcommand become one-line messages, and
+    Python warnings one-line ``warning:`` messages."""
 
     def invoke(self, ctx: click.Context) -> Any:
+        saved = warnings.showwarning
+        if not _debug():
+            warnings.showwarning = _show_warning
         try:
             return super().invoke(ctx)
         except Exception as e:
@@ -70,3 +81,5 @@ class HooklineGroup(click.Group):
             if ce is None:
                 raise
             raise ce from e
+        finally:
+            warnings.showwarning = saved

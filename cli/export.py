@@ -155,7 +155,7 @@ def _h5(r, run, handle, field, f, idx, steps, calls, shape, tmp: Path, advance) 
         out.attrs["source_run"] = str(run)
         out.attrs["handle"] = handle
         out.attrs["field"] = field
-        out.attrs["dtype"] = str(getattr(f.dtype, "name", f.dtype))
+        out.attrs["dtype"] = str(getattr(f, "dtype_name", None) or getattr(f.dtype, "name", f.dtype))
         out.create_dataset("step", data=steps[idx])
         out.create_dataset("call", data=calls[idx])
         if shape is not None:

@@ -32,6 +32,10 @@ def _shape(fld: Any) -> list[int] | None:
 
 
 def _dtype(fld: Any) -> str:
+    """The logical dtype (``bfloat16`` for a field read as exact float32)."""
+    name = getattr(fld, "dtype_name", None)
+    if isinstance(name, str) and name:
+        return name
     d = getattr(fld, "dtype", None)
     return getattr(d, "name", None) or str(d)
 

@@ -267,6 +267,9 @@ def _shape(fld: Any) -> tuple[int, ...] | None:
 
 
 def _dtype_name(fld: Any) -> str | None:
+    name = getattr(fld, "dtype_name", None)  # logical dtype, e.g. bfloat16 (read as float32)
+    if isinstance(name, str) and name:
+        return name
     d = getattr(fld, "dtype", None)
     if d is None:
         return None

@@ -10,12 +10,8 @@ import pytest
 
 
 def _tracker():
-    try:
-        from hookline.tracker import HookManager, Recorder, select
-    except ImportError:  # tracker/__init__ re-exports landing separately
-        from hookline.tracker.manager import HookManager
-        from hookline.tracker.recorder import Recorder
-        from hookline.tracker.select import select
+    from hookline.tracker import HookManager, Recorder, select
+
     return HookManager, Recorder, select
 
 

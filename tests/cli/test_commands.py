@@ -298,3 +298,41 @@ def test_runs_empty_store(cli_runner, sqlite_tracking_uri):
     res = ok(cli_runner, "runs")
     assert "no runs with hookline data" in res.stdout
     assert json.loads(ok(cli_runner, "runs", "--json").stdout)["runs"] == []
+
+
+def test_show_and_compare_bfloat16(cli_runner, tmp_path):
+    """Logical dtypes are shown as recorded; bfloat16 compares through its exact float32 values."""
+    from hookline.storage import RunWriter
+
+    rng = np.random.default_rng(0)
+    for name in ("a", "b"):
+        w = RunWriter(tmp_path / name)
+        w.add_handle("outputs[x]", module_name="x", module_type="torch.nn.Linear", category="forward_hook")
+        for step in range(3):
+            f32 = rng.standard_normal((4, 8)).astype(np.float32)
+            bits = (f32.view(np.uint32) >> 16).astype(np.uint16)
+            w.write("outputs[x]", step, 0, {"outputs.0": (bits, "bfloat16")})
+        w.close()
+    d = json.loads(ok(cli_runner, "show", tmp_path / "a", "--json").stdout)
+    assert d["handles"][0]["fields"][0]["dtype"] == "bfloat16"
+    d = json.loads(ok(cli_runner, "compare", tmp_path / "a", tmp_path / "b", "--json").stdout)
+    (r,) = d["results"]
+    assert r["status"] == "ok" and r["dtype_a"] == "bfloat16" and len(r["cosine"]) == 3
+
+
+def test_warnings_are_one_line(cli_runner, runs, monkeypatch):
+    import warnings
+
+    import hookline.cli.show as show_mod
+
+    real = show_mod.handle_info
+
+    def noisy(run, hid):
+        warnings.warn("hookline: something odd\nwith a second line", UserWarning)
+        return real(run, hid)
+
+    monkeypatch.setattr(show_mod, "handle_info", noisy)
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        res = ok(cli_runner, "show", runs["a"])
+    assert "warning: something odd with a second line" in res.stderr and "UserWarning" not in res.stderr

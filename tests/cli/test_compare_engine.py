@@ -147,3 +147,37 @@ def test_compare_module_does_not_import_torch():
             "assert 'torch' not in sys.modules, 'torch imported'; print('ok')")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
+
+
+def _write_big_run(path, scale: float, n: int = 24, shape=(256, 512)):
+    from hookline.storage import RunWriter
+
+    rng = np.random.default_rng(0)
+    w = RunWriter(path)
+    w.add_handle("outputs[big]", module_name="big", module_type="torch.nn.Linear", category="forward_hook")
+    for step in range(n):
+        x = rng.standard_normal(shape, dtype=np.float32)
+        w.write("outputs[big]", step, 0, {"outputs.0": x * (scale if step % 2 else 1.0)})
+    w.close()
+
+
+def test_compare_streams_with_bounded_memory(tmp_path):
+    """24 records of 512 KB per run (12 MB of float32, 24 MB as float64): with a 1 MB read budget
+    the numpy memory in use stays at a few records, independent of the run size."""
+    import tracemalloc
+
+    _write_big_run(tmp_path / "a", 1.0)
+    _write_big_run(tmp_path / "b", 2.0)
+    record = 256 * 512 * 8  # one record as float64
+    ra, rb = open_run(tmp_path / "a"), open_run(tmp_path / "b")
+    tracemalloc.start()
+    try:
+        res = compare_runs(ra, rb, block_bytes=1 << 20)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    (r,) = res.results
+    assert r.status == "ok" and len(r) == 24
+    np.testing.assert_allclose(r.values["cosine"], 1.0, atol=1e-9)
+    np.testing.assert_allclose(r.values["norm_ratio"], [1.0, 2.0] * 12, rtol=1e-9)
+    assert peak < 10 * record, f"peak {peak / 1e6:.1f} MB for {24 * record / 1e6:.0f} MB of data"

@@ -75,3 +75,15 @@ def test_demo_without_mlflow(tmp_path, cli_runner):
     assert not (tmp_path / "mlflow.db").exists()
     (session,) = (tmp_path / "d").iterdir()
     assert (session / "compare.png").stat().st_size > 5000
+
+
+def test_demo_with_unreachable_mlflow_degrades(tmp_path, cli_runner, monkeypatch):
+    from hookline.cli.main import cli
+
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "3")
+    res = cli_runner.invoke(cli, ["demo", "--tracking-uri", "http://127.0.0.1:9", "--steps", "6", "--every", "3",
+                                  "--out", str(tmp_path / "d"), "-q"], catch_exceptions=False)
+    assert res.exit_code == 0, res.stderr
+    assert "warning: MLflow unavailable" in res.stderr and "recording locally only" in res.stderr
+    assert "Gradient comparison" in res.stdout
