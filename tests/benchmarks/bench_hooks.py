@@ -1,6 +1,6 @@
 """Benchmark: cost of hookline's managed hooks (SPEC §8, hook rows).
 
-Run: ``python tests/benchmarks/bench_hooks.py [--repeats 15] [--steps 10]``
+Run: ``python tests/benchmarks/bench_hooks.py [--repeats 21] [--steps 10]``
 
 Prints, per model (a 20-layer Linear MLP and a small ResNet-style conv net, no-op hook
 functions on every leaf module, one step = forward + backward on CPU with
@@ -11,11 +11,12 @@ functions on every leaf module, one step = forward + backward on CPU with
 (b) registered but deactivated hookline hooks: step time / no-hook step time (target <= 1.02x);
 (c) forward hooks: hookline forward-hook step time / no-hook step time, and per hooked call.
 
-Variants run in shuffled order within every repeat (so drift hits all alike); each number is
-the median over repeats of the mean step time over ``--steps`` steps, after warmup, measured as
-process CPU time (``time.process_time``; with one thread this is the step's compute and is not
-inflated by other processes competing for the cores). The ResNet uses
-out-of-place ReLU and residual add because torch's full backward hook raises on in-place ones.
+Variants run in shuffled order within every repeat; each ratio is the median over repeats of
+the ratio of the two variants' mean step times (over ``--steps`` steps, after warmup) within the
+same repeat, so slow drift cancels. Step times are process CPU time (``time.process_time``; with
+one thread this is the step's compute, not inflated by other processes competing for the cores).
+The ResNet uses out-of-place ReLU and residual add because torch's full backward hook raises on
+in-place ones.
 """
 
 from __future__ import annotations
@@ -67,8 +68,9 @@ def noop(*args: object) -> None:
 
 
 def measure(model: nn.Module, x: torch.Tensor, variants: dict[str, tuple[Callable, Callable]],
-            repeats: int, steps: int) -> dict[str, float]:
-    """Median seconds per step for each variant; a variant is (setup, teardown)."""
+            repeats: int, steps: int) -> tuple[dict[str, float], dict[str, float]]:
+    """Per variant (a (setup, teardown) pair): median seconds per step, and the median over
+    repeats of its step time divided by the first variant's step time in the same repeat."""
     def step() -> None:
         model(x).sum().backward()
 
@@ -88,7 +90,10 @@ def measure(model: nn.Module, x: torch.Tensor, variants: dict[str, tuple[Callabl
                 step()
             times[name].append((time.process_time() - t0) / steps)
             teardown()
-    return {k: statistics.median(v) for k, v in times.items()}
+    base = times[next(iter(variants))]
+    medians = {k: statistics.median(v) for k, v in times.items()}
+    ratios = {k: statistics.median(a / b for a, b in zip(v, base)) for k, v in times.items()}
+    return medians, ratios
 
 
 def bench(label: str, model: nn.Module, x: torch.Tensor, repeats: int, steps: int) -> None:
@@ -115,24 +120,24 @@ def bench(label: str, model: nn.Module, x: torch.Tensor, repeats: int, steps: in
         "hookline_bwd": (lambda: mgr.activate_all_hooks(hook_types=[bwd]), mgr.deactivate_all_hooks),
         "hookline_fwd": (lambda: mgr.activate_all_hooks(hook_types=[fwd]), mgr.deactivate_all_hooks),
     }
-    t = measure(model, x, variants, repeats, steps)
+    t, r = measure(model, x, variants, repeats, steps)
     mgr.remove_all_hooks()
     calls = len(targets)
     print(f"\n== {label}: {calls} hooked modules, no-hook step {t['none'] * 1e3:.2f} ms")
     print(f"(a) backward hooks: hookline / torch full backward hook = "
-          f"{t['hookline_bwd'] / t['torch_bwd']:.3f}x   (target <= 1.3x)")
-    print(f"    overhead over no hooks: hookline {(t['hookline_bwd'] / t['none'] - 1) * 100:+.1f}%, "
-          f"torch {(t['torch_bwd'] / t['none'] - 1) * 100:+.1f}%  "
+          f"{r['hookline_bwd'] / r['torch_bwd']:.3f}x   (target <= 1.3x)")
+    print(f"    overhead over no hooks: hookline {(r['hookline_bwd'] - 1) * 100:+.1f}%, "
+          f"torch {(r['torch_bwd'] - 1) * 100:+.1f}%  "
           f"({(t['hookline_bwd'] - t['none']) / calls * 1e6:.1f} vs "
           f"{(t['torch_bwd'] - t['none']) / calls * 1e6:.1f} us per hooked call)")
-    print(f"(b) deactivated hooks / no hooks = {t['deactivated'] / t['none']:.3f}x   (target <= 1.02x)")
-    print(f"(c) forward hooks / no hooks = {t['hookline_fwd'] / t['none']:.3f}x  "
+    print(f"(b) deactivated hooks / no hooks = {r['deactivated']:.3f}x   (target <= 1.02x)")
+    print(f"(c) forward hooks / no hooks = {r['hookline_fwd']:.3f}x  "
           f"({(t['hookline_fwd'] - t['none']) / calls * 1e6:.1f} us per hooked call)")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--repeats", type=int, default=21)
     parser.add_argument("--steps", type=int, default=10)
     args = parser.parse_args()
     torch.set_num_threads(1)
