@@ -49,7 +49,9 @@ class _CallInputs(torch.autograd.Function):
     """Identity over the grad-requiring inputs of one call; its backward reports grad_in."""
 
     @staticmethod
-    def forward(ctx: Any, call: BackwardCall, *inputs: _Tensor) -> tuple[_Tensor, ...]:  # type: ignore[override]
+    def forward(  # type: ignore[override]
+        ctx: Any, call: BackwardCall, *inputs: _Tensor
+    ) -> tuple[_Tensor, ...]:
         ctx.call = call
         ctx.set_materialize_grads(False)  # keep None for inputs this call sent no gradient to
         return tuple(t.detach() for t in inputs)

@@ -183,6 +183,7 @@ class HookManager:
         """Names for the target modules; validates everything before anything is changed."""
         taken = dict(self.name_to_module)
         targets: list[tuple[str, nn.Module]] = []
+        seen: set[int] = set()
         for given, module in [(None, m) for m in modules] + list(named_modules.items()):
             if not isinstance(module, nn.Module):
                 what = "module" if given is None else f"module {given!r}"
@@ -190,8 +191,9 @@ class HookManager:
                     f"can only hook torch.nn.Module objects; {what} is a {type(module).__name__}: "
                     f"{module!r:.80}"
                 )
-            if any(module is m for _, m in targets):
+            if id(module) in seen:
                 raise DuplicateNameError(f"module {_short(module)} is passed twice in one registration")
+            seen.add(id(module))
             known = self.module_to_name.get(module)
             if given is None:
                 given = known if known is not None else self._derive_name(module, taken)
@@ -340,7 +342,9 @@ class HookManager:
         for h in self._select(None, hook_types, category):
             h.deactivate()
 
-    def activate_module_hooks(self, *modules: nn.Module, hook_types: Any = None, category: str = "all") -> None:
+    def activate_module_hooks(
+        self, *modules: nn.Module, hook_types: Any = None, category: str = "all"
+    ) -> None:
         """Activate the hooks registered on ``modules`` (filters as :meth:`activate_all_hooks`).
 
         Raises:
@@ -349,17 +353,23 @@ class HookManager:
         for h in self._select(self._modules(modules), hook_types, category):
             h.activate()
 
-    def deactivate_module_hooks(self, *modules: nn.Module, hook_types: Any = None, category: str = "all") -> None:
+    def deactivate_module_hooks(
+        self, *modules: nn.Module, hook_types: Any = None, category: str = "all"
+    ) -> None:
         """Deactivate the hooks registered on ``modules`` (filters as :meth:`activate_all_hooks`)."""
         for h in self._select(self._modules(modules), hook_types, category):
             h.deactivate()
 
-    def activate_module_hooks_by_name(self, *module_names: str, hook_types: Any = None, category: str = "all") -> None:
+    def activate_module_hooks_by_name(
+        self, *module_names: str, hook_types: Any = None, category: str = "all"
+    ) -> None:
         """:meth:`activate_module_hooks` with module names (UnknownNameError for unknown ones)."""
         for h in self._select(self._modules_by_name(module_names), hook_types, category):
             h.activate()
 
-    def deactivate_module_hooks_by_name(self, *module_names: str, hook_types: Any = None, category: str = "all") -> None:
+    def deactivate_module_hooks_by_name(
+        self, *module_names: str, hook_types: Any = None, category: str = "all"
+    ) -> None:
         """:meth:`deactivate_module_hooks` with module names (UnknownNameError for unknown ones)."""
         for h in self._select(self._modules_by_name(module_names), hook_types, category):
             h.deactivate()
@@ -391,12 +401,16 @@ class HookManager:
         _check_category(category)
         return HookContext(lambda: self._select(None, hook_types, category))
 
-    def hook_module_context(self, *modules: nn.Module, hook_types: Any = None, category: str = "all") -> HookContext:
+    def hook_module_context(
+        self, *modules: nn.Module, hook_types: Any = None, category: str = "all"
+    ) -> HookContext:
         """:meth:`hook_all_context` restricted to the hooks on ``modules``."""
         _check_category(category)
         return HookContext(lambda: self._select(self._modules(modules), hook_types, category))
 
-    def hook_module_context_by_name(self, *module_names: str, hook_types: Any = None, category: str = "all") -> HookContext:
+    def hook_module_context_by_name(
+        self, *module_names: str, hook_types: Any = None, category: str = "all"
+    ) -> HookContext:
         """:meth:`hook_module_context` with module names."""
         _check_category(category)
         return HookContext(lambda: self._select(self._modules_by_name(module_names), hook_types, category))
