@@ -106,7 +106,7 @@ class BackwardCall:
 
     __slots__ = (
         "hooks", "handles", "in_index", "in_paths", "in_skipped", "out_paths", "out_skipped",
-        "expected", "grad_in", "grad_out", "seen", "input_done", "open", "fired",
+        "expected", "grad_in", "grad_out", "seen", "open", "fired",
     )
 
     def __init__(self, hooks: ModuleHooks, handles: tuple[HookHandle, ...], inputs: Leaves) -> None:
@@ -121,7 +121,6 @@ class BackwardCall:
         self.grad_in: list | None = None
         self.grad_out: list | None = None
         self.seen = 0
-        self.input_done = False
         self.open = False
         self.fired = False
 
@@ -159,7 +158,6 @@ class BackwardCall:
         self.open = True
         self.fired = False
         self.seen = 0
-        self.input_done = not self.in_index
         self.grad_in = [None] * len(self.in_paths)
         self.grad_out = [None] * len(self.out_paths)
         _queue_callback(self._end_pass)
@@ -171,7 +169,7 @@ class BackwardCall:
             for i in positions:
                 self.grad_out[i] = grad  # type: ignore[index]
             self.seen += 1
-            if self.input_done and self.seen == self.expected:
+            if not self.in_index and self.seen == self.expected:  # else: wait for on_grad_in
                 self._fire()
 
     def on_grad_in(self, grads: tuple[_Tensor | None, ...]) -> None:

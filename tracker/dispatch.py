@@ -105,6 +105,7 @@ class ModuleHooks:
         elif not need_fwd and self._torch_fwd is not None:
             self._torch_fwd.remove()
             self._torch_fwd = None
+            self._pending.clear()  # calls in flight will not reach the forward hook any more
 
     # --- torch hooks -----------------------------------------------------------------------
     def _pre_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:

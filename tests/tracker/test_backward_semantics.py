@@ -276,3 +276,16 @@ def test_double_backward_works(mgr):
     assert len(calls) == 1
     g.pow(2).sum().backward()  # the output gets a gradient again: one more firing
     assert len(calls) == 2 and x.grad is not None
+
+
+def test_deactivated_during_its_own_forward_leaves_no_state(mgr):
+    outer = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    calls, hook = counter()
+    hf = mgr.register_backward_hook(hook, outer=outer)
+    mgr.register_forward_hook(lambda m, i, o: hf.module_to_handle[outer].deactivate(), inner=outer[0])
+    outer(torch.randn(1, 2, requires_grad=True)).sum().backward()
+    assert mgr._slots[outer]._pending == [] and calls == []
+    hf.module_to_handle[outer].activate()
+    mgr.deactivate_all_hooks(category="forward_hook")
+    outer(torch.randn(1, 2, requires_grad=True)).sum().backward()
+    assert len(calls) == 1
