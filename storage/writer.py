@@ -66,6 +66,9 @@ _POLICIES = ("block", "drop")
 _PIECE_BYTES = 8 << 20
 #: Merge this many similar-sized trailing segments into one (compaction fan-in).
 COMPACT_FANIN = 8
+#: No compaction while a handle has fewer sealed segments (each merge copies data; a few dozen
+#: files are cheap, and close() merges everything once anyway).
+COMPACT_MIN_SEGMENTS = 32
 
 
 @dataclass
@@ -1080,22 +1083,20 @@ def _weak_close(w: RunWriter) -> Any:
 def _pick_merge(sizes: list[int]) -> tuple[int, int] | None:
     """Pick a trailing run of sealed segments to merge (size-tiered, like an LSM tree).
 
-    The longest suffix of >= :data:`COMPACT_FANIN` segments whose total size is at most the size
-    of the segment before it is merged, so every byte is copied O(log n) times. Returns
-    ``(i, len)`` slice bounds or None.
+    Nothing while there are fewer than :data:`COMPACT_MIN_SEGMENTS`. Otherwise the newest
+    :data:`COMPACT_FANIN` segments, extended to the left while the segment before them is smaller
+    than their total, so merged segments grow geometrically and every byte is copied
+    O(log n) times. Returns ``(start, stop)`` slice bounds or None.
     """
     n = len(sizes)
-    if n < COMPACT_FANIN:
+    if n < max(COMPACT_FANIN, COMPACT_MIN_SEGMENTS):
         return None
-    total = 0
-    best = None
-    for i in range(n - 1, -1, -1):
+    i = n - COMPACT_FANIN
+    total = sum(sizes[i:])
+    while i > 0 and sizes[i - 1] < total:
+        i -= 1
         total += sizes[i]
-        if n - i >= COMPACT_FANIN and (i == 0 or sizes[i - 1] >= total):
-            best = i
-    if best is None and n >= 4 * COMPACT_FANIN:
-        best = n - 2 * COMPACT_FANIN
-    return (best, n) if best is not None else None
+    return (i, n)
 
 
 def _l2(arr: np.ndarray, dn: str) -> float:
