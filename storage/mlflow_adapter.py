@@ -695,7 +695,7 @@ class MlflowAdapter:
                 except ValueError:
                     done = 0
                 n_total = int(entry.get("records", 0) or 0)
-                if fields and n_total:
+                if fields and n_total > done:  # the manifest is rewritten at every flush
                     if run is None:
                         from .reader import open_run
 
@@ -720,7 +720,7 @@ class MlflowAdapter:
                         metrics.append(Metric(metric_key(hid, sr.base, "norm_max", rank=rank), vmax, ts, st))
                         metrics.append(Metric(metric_key(hid, sr.base, "norm_last", rank=rank),
                                               float(sr.all_norms[-1]), ts, st))
-                tags.update(self._handle_tags(hid, entry, rank, n_total))
+                tags.update(self._handle_tags(hid, entry, rank, max(n_total, done)))
                 t = _type_name(entry.get("module_type"))
                 if t:
                     types.add(t)
