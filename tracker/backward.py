@@ -42,6 +42,7 @@ __all__ = ["BackwardCall", "PendingInputs"]
 
 _Tensor = torch.Tensor
 _queue_callback = torch.autograd.Variable._execution_engine.queue_callback
+_graph_task_id = torch._C._current_graph_task_id
 _set_versions = torch._C._autograd._unsafe_set_version_counter
 
 
@@ -106,7 +107,7 @@ class BackwardCall:
 
     __slots__ = (
         "hooks", "handles", "in_index", "in_paths", "in_skipped", "out_paths", "out_skipped",
-        "expected", "grad_in", "grad_out", "seen", "open", "fired",
+        "expected", "grad_in", "grad_out", "seen", "task", "fired",
     )
 
     def __init__(self, hooks: ModuleHooks, handles: tuple[HookHandle, ...], inputs: Leaves) -> None:
@@ -121,7 +122,7 @@ class BackwardCall:
         self.grad_in: list | None = None
         self.grad_out: list | None = None
         self.seen = 0
-        self.open = False
+        self.task = -1  # id of the backward pass (autograd graph task) the state belongs to
         self.fired = False
 
     # --- forward ---------------------------------------------------------------------------
@@ -154,18 +155,20 @@ class BackwardCall:
         self.expected = len(tensors)
 
     # --- backward --------------------------------------------------------------------------
-    def _open_pass(self) -> None:
-        self.open = True
-        self.fired = False
-        self.seen = 0
-        self.grad_in = [None] * len(self.in_paths)
-        self.grad_out = [None] * len(self.out_paths)
-        _queue_callback(self._end_pass)
+    def _in_pass(self) -> bool:
+        """Reset the state when a new backward pass starts; False once fired in this pass."""
+        task = _graph_task_id()
+        if task != self.task:
+            self.task = task
+            self.fired = False
+            self.seen = 0
+            self.grad_in = [None] * len(self.in_paths)
+            self.grad_out = [None] * len(self.out_paths)
+            _queue_callback(self._end_pass)
+        return not self.fired
 
     def _on_grad_out(self, positions: list[int], grad: _Tensor) -> None:
-        if not self.open:
-            self._open_pass()
-        if not self.fired:
+        if self._in_pass():
             for i in positions:
                 self.grad_out[i] = grad  # type: ignore[index]
             self.seen += 1
@@ -174,19 +177,14 @@ class BackwardCall:
 
     def on_grad_in(self, grads: tuple[_Tensor | None, ...]) -> None:
         """Called by :class:`_CallInputs` backward with this call's input gradients."""
-        if not self.open:
-            self._open_pass()
-        if not self.fired:
+        if self._in_pass():
             for i, g in zip(self.in_index, grads):
                 self.grad_in[i] = g  # type: ignore[index]
             self._fire()
 
     def _end_pass(self) -> None:
-        try:
-            if not self.fired:
-                self._fire()
-        finally:
-            self.open = False
+        if not self.fired:
+            self._fire()
 
     def _fire(self) -> None:
         self.fired = True

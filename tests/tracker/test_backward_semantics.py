@@ -289,3 +289,21 @@ def test_deactivated_during_its_own_forward_leaves_no_state(mgr):
     mgr.deactivate_all_hooks(category="forward_hook")
     outer(torch.randn(1, 2, requires_grad=True)).sum().backward()
     assert len(calls) == 1
+
+
+def test_a_failed_pass_does_not_break_the_next_one(mgr):
+    lin = nn.Linear(3, 3)
+    calls = []
+
+    def flaky(module, gi, go):
+        calls.append(gi[0])
+        if len(calls) == 1:
+            raise ValueError("first pass fails")
+
+    mgr.register_backward_hook(flaky, lin=lin)
+    y = lin(torch.randn(2, 3, requires_grad=True)).sum()
+    with pytest.raises(HookFunctionError):
+        y.backward(retain_graph=True)
+    y.backward()
+    assert len(calls) == 2
+    torch.testing.assert_close(calls[0], calls[1])
