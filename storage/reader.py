@@ -243,15 +243,19 @@ class Handle:
     def _load(self) -> None:
         if self._loaded:
             return
-        parts, refs = [], []
+        parts, refs, errors = [], [], []
         for r in self._refs:
             try:
                 parts.append(r.open(self.id))
                 refs.append(r)
             except (StorageError, FormatError) as e:
-                # A damaged complete file (external corruption): read the others, say so loudly.
-                self.problems.append(str(e))
-                warnings.warn(f"hookline: skipping unreadable file: {e} (run `hookline verify`)", stacklevel=3)
+                errors.append(e)
+        if errors and not parts:
+            raise errors[0]  # nothing of this handle is readable
+        for e in errors:
+            # A damaged complete file (external corruption): read the others, say so loudly.
+            self.problems.append(str(e))
+            warnings.warn(f"hookline: skipping unreadable file: {e} (run `hookline verify`)", stacklevel=3)
         self._refs = refs
         self._parts = parts
         self._base = np.cumsum([0] + [p.n for p in parts])[:-1].astype(np.int64)
