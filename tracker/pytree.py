@@ -40,8 +40,8 @@ class Leaves(tuple):
 
     def __new__(cls, items: Sequence[Any], paths: Sequence[str], skipped: Sequence[str] = ()) -> Leaves:
         self = tuple.__new__(cls, items)
-        self.paths = tuple(paths)
-        self.skipped = tuple(skipped)
+        self.paths = paths if type(paths) is tuple else tuple(paths)
+        self.skipped = skipped if type(skipped) is tuple else tuple(skipped)
         return self
 
     def __repr__(self) -> str:
