@@ -68,11 +68,15 @@ def plot_comparison(
             ls = field_styles.setdefault(str(r.field), _FIELD_STYLES[len(field_styles) % len(_FIELD_STYLES)])
             mk = _MARKERS[list(field_styles).index(str(r.field)) % len(_MARKERS)]
             x = _x(r.steps, r.calls)
+            ranks = getattr(r, "ranks", None)
+            groups = [np.ones(len(x), bool)] if ranks is None else [ranks == k for k in np.unique(ranks)]
             for m in metrics:
                 y = r.values.get(m)
-                if y is not None:
-                    ax.plot(x, y, linestyle=ls, color=_METRIC_STYLE[m]["color"], marker=mk, markersize=3,
-                            linewidth=1.6)
+                if y is None:
+                    continue
+                for sel in groups:  # distributed runs: one line per rank
+                    ax.plot(x[sel], y[sel], linestyle=ls, color=_METRIC_STYLE[m]["color"], marker=mk,
+                            markersize=3, linewidth=1.6)
         ax.set_title(h if len(fields) > 1 else f"{h}  ·  {fields[0].field}", fontsize=10)
         ax.grid(True, alpha=0.3)
         if "cosine" in metrics or "norm_ratio" in metrics:

@@ -78,6 +78,8 @@ class FieldComparison:
         message: human-readable explanation when ``status != "ok"`` (or when some pairs were
             skipped because their shapes differ), else ``None``.
         steps, calls: the compared ``(step, call)`` pairs (int64 arrays, sorted).
+        ranks: the rank of each compared pair for distributed runs (records are paired on
+            ``(step, call, rank)``), else ``None``.
         values: metric name -> float64 array aligned with ``steps`` (NaN for a skipped pair).
         only_a, only_b: number of records whose ``(step, call)`` exists in only one run.
         mismatched: number of common pairs skipped because their shapes differ.
@@ -100,6 +102,7 @@ class FieldComparison:
     dtype_a: str | None = None
     dtype_b: str | None = None
     mismatch_positions: list[int] = dc_field(default_factory=list, repr=False)
+    ranks: np.ndarray | None = None
 
     @property
     def ok(self) -> bool:
@@ -143,6 +146,7 @@ class FieldComparison:
             "dtype_b": self.dtype_b,
             "steps": [int(s) for s in self.steps],
             "calls": [int(c) for c in self.calls],
+            "ranks": [int(r) for r in self.ranks] if self.ranks is not None else None,
         }
         for m, v in self.values.items():
             d[m] = [_finite_or_none(x) for x in v]
@@ -261,6 +265,20 @@ def _field_index(handle: Any, fld: Any) -> tuple[np.ndarray, np.ndarray]:
     return np.asarray(steps, np.int64), np.asarray(calls, np.int64)
 
 
+def _field_ranks(handle: Any, fld: Any, n: int) -> np.ndarray:
+    """Rank of each record of a field (-1 when not distributed or unknown)."""
+    ranks = getattr(handle, "ranks", None)
+    recs = getattr(fld, "records", None)
+    try:
+        if ranks is not None and recs is not None:
+            out = np.asarray(ranks, np.int64)[np.asarray(recs, np.int64)]
+            if len(out) == n:
+                return out
+    except Exception:  # noqa: BLE001 - a reader without rank support
+        pass
+    return np.full(n, -1, np.int64)
+
+
 def _shape(fld: Any) -> tuple[int, ...] | None:
     s = getattr(fld, "shape", None)
     return tuple(int(x) for x in s) if s is not None else None
@@ -323,20 +341,25 @@ def iter_records(
 # --------------------------------------------------------------------------------------------
 # comparison
 # --------------------------------------------------------------------------------------------
-def _pairs(sa: np.ndarray, ca: np.ndarray, sb: np.ndarray, cb: np.ndarray):
-    """Common (step, call) pairs -> (steps, calls, idx_a, idx_b), sorted; and only-counts."""
-    pos_a: dict[tuple[int, int], int] = {}
-    for i, key in enumerate(zip(sa.tolist(), ca.tolist())):
+def _pairs(sa: np.ndarray, ca: np.ndarray, sb: np.ndarray, cb: np.ndarray,
+           ra: np.ndarray | None = None, rb: np.ndarray | None = None):
+    """Common (step, call[, rank]) keys -> (steps, calls, ranks, idx_a, idx_b), sorted by step,
+    call, rank; and the only-in-A / only-in-B counts."""
+    ra = np.full(len(sa), -1, np.int64) if ra is None else ra
+    rb = np.full(len(sb), -1, np.int64) if rb is None else rb
+    pos_a: dict[tuple[int, int, int], int] = {}
+    for i, key in enumerate(zip(sa.tolist(), ca.tolist(), ra.tolist())):
         pos_a.setdefault(key, i)
-    pos_b: dict[tuple[int, int], int] = {}
-    for j, key in enumerate(zip(sb.tolist(), cb.tolist())):
+    pos_b: dict[tuple[int, int, int], int] = {}
+    for j, key in enumerate(zip(sb.tolist(), cb.tolist(), rb.tolist())):
         pos_b.setdefault(key, j)
     common = sorted(pos_a.keys() & pos_b.keys())
     steps = np.array([k[0] for k in common], np.int64)
     calls = np.array([k[1] for k in common], np.int64)
+    ranks = np.array([k[2] for k in common], np.int64)
     ia = np.array([pos_a[k] for k in common], np.int64)
     ib = np.array([pos_b[k] for k in common], np.int64)
-    return steps, calls, ia, ib, len(pos_a) - len(common), len(pos_b) - len(common)
+    return steps, calls, ranks, ia, ib, len(pos_a) - len(common), len(pos_b) - len(common)
 
 
 def compare_fields(
@@ -361,8 +384,10 @@ def compare_fields(
     )
     sa, ca = _field_index(handle_a, fa)
     sb, cb = _field_index(handle_b, fb)
-    steps, calls, ia, ib, res.only_a, res.only_b = _pairs(sa, ca, sb, cb)
+    ra, rb = _field_ranks(handle_a, fa, len(sa)), _field_ranks(handle_b, fb, len(sb))
+    steps, calls, ranks, ia, ib, res.only_a, res.only_b = _pairs(sa, ca, sb, cb, ra, rb)
     res.steps, res.calls = steps, calls
+    res.ranks = ranks if (ranks >= 0).any() else None
     res.values = {m: np.full(len(steps), np.nan) for m in ms}
     if len(steps) == 0:
         res.status = "no_common_steps"

@@ -181,3 +181,26 @@ def test_compare_streams_with_bounded_memory(tmp_path):
     np.testing.assert_allclose(r.values["cosine"], 1.0, atol=1e-9)
     np.testing.assert_allclose(r.values["norm_ratio"], [1.0, 2.0] * 12, rtol=1e-9)
     assert peak < 10 * record, f"peak {peak / 1e6:.1f} MB for {24 * record / 1e6:.0f} MB of data"
+
+
+def test_distributed_runs_pair_on_rank(tmp_path):
+    """Two ranks record the same (step, call): each rank is compared with the same rank."""
+    from hookline.storage import RunWriter
+
+    def write(path, factor_rank1: float):
+        for rank in (0, 1):
+            w = RunWriter(path, rank=rank, world_size=2)
+            w.add_handle("outputs[x]", module_name="x", module_type="torch.nn.Linear", category="forward_hook")
+            for step in range(3):
+                x = np.full((2, 3), step + 1.0 + 10 * rank, np.float32)
+                w.write("outputs[x]", step, 0, {"outputs.0": x * (factor_rank1 if rank == 1 else 1.0)})
+            w.close()
+
+    write(tmp_path / "a", 1.0)
+    write(tmp_path / "b", 3.0)
+    (r,) = compare_runs(tmp_path / "a", tmp_path / "b").results
+    assert r.status == "ok" and len(r) == 6 and r.only_a == 0
+    assert sorted(zip(r.ranks.tolist(), r.steps.tolist())) == [(k, s) for k in (0, 1) for s in range(3)]
+    ratio = dict(zip(zip(r.ranks.tolist(), r.steps.tolist()), r.values["norm_ratio"].tolist()))
+    assert all(ratio[(0, s)] == pytest.approx(1.0) and ratio[(1, s)] == pytest.approx(3.0) for s in range(3))
+    assert r.to_dict()["ranks"] is not None
