@@ -35,7 +35,8 @@ import torch
 from hookline.tracker.pytree import Leaves
 
 if TYPE_CHECKING:
-    from hookline.tracker.dispatch import ModuleHooks
+    from torch import nn
+
     from hookline.tracker.handles import HookHandle
 
 __all__ = ["BackwardCall", "PendingInputs"]
@@ -106,12 +107,12 @@ class BackwardCall:
     """Gradients of one module call in one backward pass, and the firing of its hooks."""
 
     __slots__ = (
-        "hooks", "handles", "in_index", "in_paths", "in_skipped", "out_paths", "out_skipped",
+        "module", "handles", "in_index", "in_paths", "in_skipped", "out_paths", "out_skipped",
         "expected", "grad_in", "grad_out", "seen", "task", "fired",
     )
 
-    def __init__(self, hooks: ModuleHooks, handles: tuple[HookHandle, ...], inputs: Leaves) -> None:
-        self.hooks = hooks
+    def __init__(self, module: nn.Module, handles: tuple[HookHandle, ...], inputs: Leaves) -> None:
+        self.module = module
         self.handles = handles
         self.in_index = tuple(i for i, t in enumerate(inputs) if t.requires_grad)
         self.in_paths = inputs.paths
@@ -191,4 +192,6 @@ class BackwardCall:
         grad_in = Leaves(self.grad_in, self.in_paths, self.in_skipped)  # type: ignore[arg-type]
         grad_out = Leaves(self.grad_out, self.out_paths, self.out_skipped)  # type: ignore[arg-type]
         self.grad_in = self.grad_out = None
-        self.hooks.run_backward(self.handles, grad_in, grad_out)
+        for handle in self.handles:
+            if handle.active:  # deactivated since the forward: skip
+                handle.call(self.module, grad_in, grad_out)

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from hookline.storage.errors import HookFunctionError, HookOutputError
+from hookline.storage.errors import HookOutputError
 from hookline.tracker.backward import BackwardCall, PendingInputs
 from hookline.tracker.pytree import Leaves, flatten, flatten_call, unflatten, unflatten_call
 
@@ -27,17 +27,6 @@ if TYPE_CHECKING:
 __all__ = ["ModuleHooks"]
 
 _Tensor = torch.Tensor
-
-
-def call_hook(handle: HookHandle, *args: Any) -> Any:
-    """Call a user hook; re-raise its exception as HookFunctionError naming the handle."""
-    try:
-        return handle.hook_fn.fn(*args)
-    except Exception as e:
-        raise HookFunctionError(
-            f"hook {handle.name!r} raised {type(e).__name__}: {e} "
-            "(the original exception is chained as __cause__)"
-        ) from e
 
 
 def replace_leaves(handle: HookHandle, leaves: Leaves, new: Any, what: str) -> Leaves:
@@ -117,11 +106,11 @@ class ModuleHooks:
         leaves, spec = flatten_call(args, kwargs)
         original = leaves
         for handle in self.pre:
-            new = call_hook(handle, module, leaves)
+            new = handle.call(module, leaves)
             if new is not None:
                 leaves = replace_leaves(handle, leaves, new, "inputs")
         if bwd and torch.is_grad_enabled():
-            call = BackwardCall(self, bwd, leaves)
+            call = BackwardCall(module, bwd, leaves)
             leaves, pending = call.wrap_inputs(leaves)
             self._pending[-1] = pending or call
         if leaves is original:
@@ -138,7 +127,7 @@ class ModuleHooks:
             inputs = flatten_call(args, kwargs)[0]
             leaves, spec = flatten(output)
             for handle in self.fwd:
-                new = call_hook(handle, module, inputs, leaves)
+                new = handle.call(module, inputs, leaves)
                 if new is not None:
                     new_leaves = replace_leaves(handle, leaves, new, "outputs")
                     replaced = replaced or new_leaves is not leaves
@@ -153,12 +142,6 @@ class ModuleHooks:
         if replaced:
             return unflatten(spec, leaves)
         return None
-
-    def run_backward(self, handles: tuple[HookHandle, ...], grad_in: Leaves, grad_out: Leaves) -> None:
-        """Call the backward handles of one call that are still active."""
-        for handle in handles:
-            if handle.active:
-                call_hook(handle, self.module, grad_in, grad_out)
 
 
 _ATTR = {"forward_pre_hook": "pre", "forward_hook": "fwd", "backward_hook": "bwd"}

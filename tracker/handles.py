@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
-from hookline.storage.errors import InvalidArgumentError
+from hookline.storage.errors import HookFunctionError, InvalidArgumentError
 
 if TYPE_CHECKING:
     from hookline.tracker.dispatch import ModuleHooks
@@ -106,6 +106,20 @@ class HookHandle:
         if manager is not None:
             self.deactivate()
             manager._forget(self)
+
+    def call(self, *args: Any) -> Any:
+        """Call the hook function; re-raise its exception as HookFunctionError naming the handle.
+
+        Raises:
+            HookFunctionError: the hook raised; ``__cause__`` is the original exception.
+        """
+        try:
+            return self.hook_fn.fn(*args)
+        except Exception as e:
+            raise HookFunctionError(
+                f"hook {self.name!r} raised {type(e).__name__}: {e} "
+                "(the original exception is chained as __cause__)"
+            ) from e
 
     def __enter__(self) -> HookHandle:
         return self
