@@ -46,6 +46,12 @@ def replace_leaves(handle: HookHandle, leaves: Leaves, new: Any, what: str) -> L
             f"hook {handle.name!r} returned {len(new)} {what} but the module has {len(leaves)} "
             f"(paths {list(leaves.paths)}); return a tuple of the same length, or None"
         )
+    for path, t in zip(leaves.paths, new):
+        if not isinstance(t, _Tensor):
+            raise HookOutputError(
+                f"hook {handle.name!r} returned a {type(t).__name__} for {what[:-1]} {path!r}; "
+                "every element of a replacement must be a tensor"
+            )
     return Leaves(new, leaves.paths, leaves.skipped)
 
 

@@ -130,6 +130,10 @@ def test_wrong_length_or_type_raises_hook_output_error(mgr):
     mgr.register_forward_pre_hook(lambda mod, i: {"x": i[0]}, hook_fn_name="dict", lin=lin)
     with pytest.raises(HookOutputError, match=r"'dict\[lin\]' returned a dict"):
         lin(torch.ones(1, 2))
+    mgr.remove_all_hooks()
+    mgr.register_forward_hook(lambda mod, i, o: (None,), hook_fn_name="none", lin=lin)
+    with pytest.raises(HookOutputError, match=r"'none\[lin\]' returned a NoneType for output '0'"):
+        lin(torch.ones(1, 2))
 
 
 def test_hook_exception_is_wrapped_with_handle_id(mgr):
