@@ -84,7 +84,7 @@ class HookManager:
 
     # --- registration ----------------------------------------------------------------------
     def register_forward_hook(
-        self, fn: Callable[..., Any], *modules: nn.Module, hook_fn_name: str | None = None,
+        self, fn: Callable[..., Any], /, *modules: nn.Module, hook_fn_name: str | None = None,
         activate: bool = True, **named_modules: nn.Module,
     ) -> HookFunction:
         """Register ``fn(module, inputs, outputs)`` to run after each forward of the modules.
@@ -99,7 +99,9 @@ class HookManager:
                 ``f"{type(module).__name__}_{n}"`` with the smallest free ``n``.
             hook_fn_name: id of the hook function; default ``repr(fn)``.
             activate: activate the new handles now (default) or leave them inactive.
-            **named_modules: modules to hook, keyed by the name to register them under.
+            **named_modules: modules to hook, keyed by the name to register them under (names
+                ``hook_fn_name`` and ``activate`` are taken by the arguments above; pass such
+                modules positionally or give them another name).
 
         Returns:
             The :class:`HookFunction` (``.module_to_handle`` maps modules to new handles).
@@ -113,7 +115,7 @@ class HookManager:
         return self._register("forward_hook", fn, modules, hook_fn_name, activate, named_modules)
 
     def register_forward_pre_hook(
-        self, fn: Callable[..., Any], *modules: nn.Module, hook_fn_name: str | None = None,
+        self, fn: Callable[..., Any], /, *modules: nn.Module, hook_fn_name: str | None = None,
         activate: bool = True, **named_modules: nn.Module,
     ) -> HookFunction:
         """Register ``fn(module, inputs)`` to run before each forward of the modules.
@@ -125,7 +127,7 @@ class HookManager:
         return self._register("forward_pre_hook", fn, modules, hook_fn_name, activate, named_modules)
 
     def register_backward_hook(
-        self, fn: Callable[..., Any], *modules: nn.Module, hook_fn_name: str | None = None,
+        self, fn: Callable[..., Any], /, *modules: nn.Module, hook_fn_name: str | None = None,
         activate: bool = True, **named_modules: nn.Module,
     ) -> HookFunction:
         """Register ``fn(module, grad_in, grad_out)`` to run once per module call per backward pass.

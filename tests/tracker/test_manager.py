@@ -318,3 +318,10 @@ def test_leftover_hook_check_reports_hooks():
     finally:
         handle.remove()
     assert leftover_hooks([lin]) == []
+
+
+def test_a_module_named_fn_can_be_passed_by_keyword(mgr):
+    model = nn.Module()
+    model.fn = nn.Linear(2, 2)
+    mgr.register_forward_hook(fwd, **select(model, "fn"))
+    assert list(mgr.name_to_module) == ["fn"]
