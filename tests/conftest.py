@@ -69,6 +69,7 @@ class MlflowServer:
     def __init__(self, root: Path, port: int | None = None) -> None:
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
+        self._auto_port = port is None
         self.port = port or _free_port()
         self.uri = f"http://127.0.0.1:{self.port}"
         self.db = self.root / "mlflow.db"
@@ -89,10 +90,16 @@ class MlflowServer:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
+                if self._auto_port:  # lost the race for the free port: once more on another one
+                    self._auto_port = False
+                    self.port = _free_port()
+                    self.uri = f"http://127.0.0.1:{self.port}"
+                    return self.start(timeout)
                 raise RuntimeError(f"mlflow server exited with {self.proc.returncode}; see {self.root / 'server.log'}")
             try:
                 with urllib.request.urlopen(f"{self.uri}/health", timeout=2) as r:
                     if r.status == 200:
+                        self._auto_port = False  # restart() must keep this port
                         return self
             except OSError:
                 pass
