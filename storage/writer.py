@@ -623,9 +623,12 @@ class RunWriter:
                     if self._waiting and self._staged_total() > 0:
                         break
                     self._cond.wait(timeout)
-                items = list(self._queue)
-                self._queue.clear()
-            for it in items:
+                items = self._queue
+                self._queue = deque()
+            while items:
+                # popleft: a processed record's arrays must not stay referenced by the batch
+                # after their bytes were released from the budget (else memory doubles).
+                it = items.popleft()
                 kind = it[0]
                 if self._error is not None:
                     if kind == "rec":

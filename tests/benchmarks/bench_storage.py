@@ -238,15 +238,47 @@ def bench_stall(d: Path, n: int) -> dict[str, float]:
             "write_call_us": float(np.median(call_t)) * 1e6, "write_call_p99_us": float(np.percentile(call_t, 99)) * 1e6}
 
 
+def bench_compression(d: Path, mb: int = 256) -> list[tuple[str, float, float, float]]:
+    """ReLU-like activations (half zeros) and random normal float32, per compression setting:
+    (setting, GiB/s incl. close, ratio on ReLU data, ratio on random-normal data)."""
+    rng = np.random.default_rng(3)
+    relu = [np.maximum(rng.standard_normal((64, 1024)), 0).astype(np.float32) for _ in range(8)]
+    normal = [rng.standard_normal((64, 1024)).astype(np.float32) for _ in range(8)]
+    n = mb * 4  # 256 KiB records
+    out = []
+    for comp in (None, "lz4", "zstd", "lzf", "gzip-1"):
+        sizes = []
+        for data in (relu, normal):
+            run = d / "comp"
+            t0 = time.perf_counter()
+            w = RunWriter(run, max_buffer_mb=256, compression=comp, fsync=False)
+            w.add_handle(HID)
+            for i in range(n):
+                w.write(HID, i, 0, {"outputs.0": data[i % 8].copy()})
+            w.close()
+            dt = time.perf_counter() - t0
+            sizes.append((sum(p.stat().st_size for p in run.rglob("*.h5")), dt))
+            shutil.rmtree(run)
+        raw = n * relu[0].nbytes
+        out.append((str(comp), raw / 2**30 / sizes[0][1], raw / sizes[0][0], raw / sizes[1][0]))
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size-gb", type=float, default=2.0, help="size of the read-latency run (default 2)")
     ap.add_argument("--write-gb", type=float, default=1.0, help="bytes per throughput measurement (default 1)")
     ap.add_argument("--dir", default=None, help="directory on the disk to measure (default: a temp dir)")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--compression", action="store_true", help="only the compression comparison")
     args = ap.parse_args()
     d = Path(tempfile.mkdtemp(prefix="hookline-bench-", dir=args.dir))
     try:
+        if args.compression:
+            print("== compression (256 MiB of 256 KiB float32 records, one writer thread, no fsync)")
+            for comp, gbs, r_relu, r_norm in bench_compression(d):
+                print(f"  {comp:7s} {gbs:5.2f} GiB/s   ratio ReLU {r_relu:4.2f}x   random-normal {r_norm:4.2f}x")
+            return
         for shape in (REC_SHAPE, SMALL_SHAPE):
             pool = _records(shape=shape)
             n = int(args.write_gb * (1 << 30) / pool[0].nbytes)
