@@ -119,12 +119,9 @@ def flatten(obj: Any) -> tuple[Leaves, Any]:
     leaves: list = []
     paths: list = []
     skipped: list = []
-    if isinstance(obj, (tuple, list)) and not hasattr(obj, "_fields"):
-        children = [_walk(v, str(i), leaves, paths, skipped) for i, v in enumerate(obj)]
-        spec: Any = (_SEQ, type(obj), None, children)
-    elif isinstance(obj, (dict, tuple)) or (dataclasses.is_dataclass(obj) and not isinstance(obj, type)):
-        spec = _walk(obj, "", leaves, paths, skipped)
-    else:
+    if isinstance(obj, (tuple, list, dict)) or (dataclasses.is_dataclass(obj) and not isinstance(obj, type)):
+        spec: Any = _walk(obj, "", leaves, paths, skipped)
+    else:  # a lone non-tensor output (None...)
         skipped.append("0")
         spec = (_CONST, obj)
     return Leaves(leaves, paths, skipped), spec
