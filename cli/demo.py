@@ -133,7 +133,7 @@ def _search_filter(session: str) -> str:
 
 
 @click.command(context_settings=CONTEXT_SETTINGS, short_help='Train a toy model twice, record, log to MLflow, compare, plot.')
-@click.option("--out", "out", type=click.Path(file_okay=False), default="hookline-demo", show_default=True,
+@click.option("--out", "out", type=click.Path(file_okay=False), default="runs/demo", show_default=True,
               help="Parent directory; each demo writes a new timestamped folder inside it.")
 @click.option("--tracking-uri", metavar="URI", default=None,
               help="MLflow tracking URI (default: MLflow's own resolution: $MLFLOW_TRACKING_URI, else "

@@ -28,11 +28,11 @@ def test_demo_end_to_end(tmp_path):
     text = out.stdout
     assert "Traceback" not in out.stderr
     # where the data is
-    dirs = sorted(p for p in (tmp_path / "hookline-demo").iterdir() if p.is_dir())
+    dirs = sorted(p for p in (tmp_path / "runs" / "demo").iterdir() if p.is_dir())
     assert len(dirs) == 1
     session = dirs[0]
     assert (session / "lr0.01" / "manifest.json").is_file() and (session / "lr0.1" / "manifest.json").is_file()
-    assert str(Path("hookline-demo") / session.name / "lr0.01") in text
+    assert str(Path("runs") / "demo" / session.name / "lr0.01") in text
     # the comparison table and the plot
     assert "grads[fc1]" in text and "grads[head]" in text and "cosine" in text
     png = session / "compare.png"
@@ -60,7 +60,7 @@ def test_demo_end_to_end(tmp_path):
     # re-running works: new directories and runs, nothing overwritten
     again = _run_demo(tmp_path, "--steps", "20", "--quiet")
     assert again.returncode == 0, again.stdout + again.stderr
-    dirs2 = sorted(p for p in (tmp_path / "hookline-demo").iterdir() if p.is_dir())
+    dirs2 = sorted(p for p in (tmp_path / "runs" / "demo").iterdir() if p.is_dir())
     assert len(dirs2) == 2 and png.read_bytes() == data
     assert len(client.search_runs([exp.experiment_id])) == 4
 
