@@ -307,3 +307,17 @@ def test_a_failed_pass_does_not_break_the_next_one(mgr):
     y.backward()
     assert len(calls) == 2
     torch.testing.assert_close(calls[0], calls[1])
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_activation_checkpointing(mgr, reentrant):
+    from torch.utils.checkpoint import checkpoint
+
+    m = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
+    x = torch.randn(2, 4, requires_grad=True)
+    (want,) = torch.autograd.grad(m(x).pow(2).sum(), x)
+    calls, hook = counter()
+    mgr.register_backward_hook(hook, **select(m, "?"))
+    checkpoint(m, x, use_reentrant=reentrant).pow(2).sum().backward()
+    assert [c[0] for c in calls] == ["2", "1", "0"]  # once per call, not again for the recompute
+    torch.testing.assert_close(calls[-1][1][0], want)
