@@ -752,8 +752,8 @@ class RunWriter:
             if sf.spec.info.storage != arr.dtype:
                 arr = arr.view(sf.spec.info.storage)  # signed bits -> unsigned storage, same width
             sf.records.append(rec)
-            if sf.spec.info.has_norm:
-                sf.norms.append(_l2(arr, dn))
+            if sf.spec.ragged and sf.spec.info.has_norm:
+                sf.norms.append(_l2(arr, dn))  # fixed fields: per block in _write_items
             if sf.spec.ragged:
                 sf.offsets.append(sf.written_items + sf.staged_items)
                 sf.shapes.append(arr.shape)
@@ -813,8 +813,11 @@ class RunWriter:
                 block = sf.arrays[0][None]
             else:
                 block = self._scratch_view(k * sf.item_bytes, st, (k, *spec.shape))
-                for i in range(k):
-                    block[i] = sf.arrays[i]
+                np.stack(sf.arrays[:k], out=block)  # one call: one GIL release, not k
+            if spec.info.has_norm:
+                # One batched computation per block: per-record numpy calls would release and
+                # re-acquire the GIL once per record (measured 20 us each under contention).
+                sf.norms.extend(_row_norms(block, spec.dtype_name))
             sf.out.append(block)
             del sf.arrays[:k]
             released = k * sf.item_bytes
@@ -1100,6 +1103,28 @@ def _pick_merge(sizes: list[int]) -> tuple[int, int] | None:
         i -= 1
         total += sizes[i]
     return (i, n)
+
+
+def _row_norms(block: np.ndarray, dn: str) -> list[float]:
+    """L2 norm of every record of a ``(k, ...)`` block (batched BLAS; float64 retry on
+    overflow/underflow)."""
+    k = block.shape[0]
+    if block.size == 0:
+        return [0.0] * k
+    if dn in ("float32", "float64"):
+        x = block.reshape(k, -1)
+    elif dn in ("complex64", "complex128"):
+        x = block.reshape(k, -1).view(np.float32 if dn == "complex64" else np.float64)
+    else:
+        x = dtypes.to_float(block, dn).reshape(k, -1)
+        if x.dtype.kind == "c":
+            x = x.view(np.float32)
+    s = (x[:, None, :] @ x[:, :, None]).reshape(k).astype(np.float64)
+    bad = ~np.isfinite(s) | (s < 1e-30)
+    if bad.any():
+        x64 = x[bad].astype(np.float64)
+        s[bad] = (x64[:, None, :] @ x64[:, :, None]).reshape(-1)
+    return np.sqrt(s).tolist()
 
 
 def _l2(arr: np.ndarray, dn: str) -> float:
