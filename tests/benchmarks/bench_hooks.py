@@ -123,16 +123,18 @@ def bench(label: str, model: nn.Module, x: torch.Tensor, repeats: int, steps: in
     t, r = measure(model, x, variants, repeats, steps)
     mgr.remove_all_hooks()
     calls = len(targets)
-    print(f"\n== {label}: {calls} hooked modules, no-hook step {t['none'] * 1e3:.2f} ms")
+    base = t["none"]
+
+    def per_call(name: str) -> str:
+        return f"{(r[name] - 1) * base / calls * 1e6:.1f} us per hooked call"
+
+    print(f"\n== {label}: {calls} hooked modules, no-hook step {base * 1e3:.2f} ms")
     print(f"(a) backward hooks: hookline / torch full backward hook = "
           f"{r['hookline_bwd'] / r['torch_bwd']:.3f}x   (target <= 1.3x)")
-    print(f"    overhead over no hooks: hookline {(r['hookline_bwd'] - 1) * 100:+.1f}%, "
-          f"torch {(r['torch_bwd'] - 1) * 100:+.1f}%  "
-          f"({(t['hookline_bwd'] - t['none']) / calls * 1e6:.1f} vs "
-          f"{(t['torch_bwd'] - t['none']) / calls * 1e6:.1f} us per hooked call)")
+    print(f"    overhead over no hooks: hookline {(r['hookline_bwd'] - 1) * 100:+.1f}% "
+          f"({per_call('hookline_bwd')}), torch {(r['torch_bwd'] - 1) * 100:+.1f}% ({per_call('torch_bwd')})")
     print(f"(b) deactivated hooks / no hooks = {r['deactivated']:.3f}x   (target <= 1.02x)")
-    print(f"(c) forward hooks / no hooks = {r['hookline_fwd']:.3f}x  "
-          f"({(t['hookline_fwd'] - t['none']) / calls * 1e6:.1f} us per hooked call)")
+    print(f"(c) forward hooks / no hooks = {r['hookline_fwd']:.3f}x  ({per_call('hookline_fwd')})")
 
 
 def main() -> None:
