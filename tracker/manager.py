@@ -30,6 +30,8 @@ CATEGORIES = ("all", "forward_hook", "forward_pre_hook", "backward_hook")
 
 #: What ``hook_types`` may contain: raw functions, HookFunctions, or hook function names.
 HookType = Union[Callable[..., Any], HookFunction, str]
+#: A ``hook_types`` argument: None (no filter), one HookType, or several.
+HookTypes = Union[Iterable[HookType], HookType, None]
 
 
 def _unknown(kind: str, name: object, known: Iterable[str]) -> UnknownNameError:
@@ -259,7 +261,7 @@ class HookManager:
             unbind(handle)
 
     # --- selection -------------------------------------------------------------------------
-    def _hook_fns(self, hook_types: Iterable[HookType] | HookType | None) -> list[HookFunction] | None:
+    def _hook_fns(self, hook_types: HookTypes) -> list[HookFunction] | None:
         if hook_types is None:
             return None
         if isinstance(hook_types, (str, HookFunction)) or callable(hook_types):
@@ -303,7 +305,7 @@ class HookManager:
         return out
 
     def _select(
-        self, modules: list[nn.Module] | None, hook_types: Any, category: str
+        self, modules: list[nn.Module] | None, hook_types: HookTypes, category: str
     ) -> list[HookHandle]:
         _check_category(category)
         fns = self._hook_fns(hook_types)
@@ -316,13 +318,13 @@ class HookManager:
         ]
 
     def handles(
-        self, *modules: nn.Module, hook_types: Any = None, category: str = "all"
+        self, *modules: nn.Module, hook_types: HookTypes = None, category: str = "all"
     ) -> list[HookHandle]:
         """The handles matching the filters (all modules when none is given), in registration order."""
         return self._select(self._modules(modules) if modules else None, hook_types, category)
 
     # --- activation ------------------------------------------------------------------------
-    def activate_all_hooks(self, hook_types: Any = None, category: str = "all") -> None:
+    def activate_all_hooks(self, hook_types: HookTypes = None, category: str = "all") -> None:
         """Activate every registered hook, optionally filtered.
 
         Args:
@@ -339,13 +341,13 @@ class HookManager:
 
     activate_all_hook = activate_all_hooks  # the TackleBox README spells it so
 
-    def deactivate_all_hooks(self, hook_types: Any = None, category: str = "all") -> None:
+    def deactivate_all_hooks(self, hook_types: HookTypes = None, category: str = "all") -> None:
         """Deactivate every registered hook, optionally filtered (see :meth:`activate_all_hooks`)."""
         for h in self._select(None, hook_types, category):
             h.deactivate()
 
     def activate_module_hooks(
-        self, *modules: nn.Module, hook_types: Any = None, category: str = "all"
+        self, *modules: nn.Module, hook_types: HookTypes = None, category: str = "all"
     ) -> None:
         """Activate the hooks registered on ``modules`` (filters as :meth:`activate_all_hooks`).
 
@@ -356,21 +358,21 @@ class HookManager:
             h.activate()
 
     def deactivate_module_hooks(
-        self, *modules: nn.Module, hook_types: Any = None, category: str = "all"
+        self, *modules: nn.Module, hook_types: HookTypes = None, category: str = "all"
     ) -> None:
         """Deactivate the hooks registered on ``modules`` (filters as :meth:`activate_all_hooks`)."""
         for h in self._select(self._modules(modules), hook_types, category):
             h.deactivate()
 
     def activate_module_hooks_by_name(
-        self, *module_names: str, hook_types: Any = None, category: str = "all"
+        self, *module_names: str, hook_types: HookTypes = None, category: str = "all"
     ) -> None:
         """:meth:`activate_module_hooks` with module names (UnknownNameError for unknown ones)."""
         for h in self._select(self._modules_by_name(module_names), hook_types, category):
             h.activate()
 
     def deactivate_module_hooks_by_name(
-        self, *module_names: str, hook_types: Any = None, category: str = "all"
+        self, *module_names: str, hook_types: HookTypes = None, category: str = "all"
     ) -> None:
         """:meth:`deactivate_module_hooks` with module names (UnknownNameError for unknown ones)."""
         for h in self._select(self._modules_by_name(module_names), hook_types, category):
@@ -390,7 +392,7 @@ class HookManager:
         return self.name_to_hookhandle[handle_id]
 
     # --- contexts --------------------------------------------------------------------------
-    def hook_all_context(self, hook_types: Any = None, category: str = "all") -> HookContext:
+    def hook_all_context(self, hook_types: HookTypes = None, category: str = "all") -> HookContext:
         """A context that activates the selected hooks on entry and restores their state on exit.
 
         Nothing happens until the ``with`` statement enters it; the selection is made on entry.
@@ -404,14 +406,14 @@ class HookManager:
         return HookContext(lambda: self._select(None, hook_types, category))
 
     def hook_module_context(
-        self, *modules: nn.Module, hook_types: Any = None, category: str = "all"
+        self, *modules: nn.Module, hook_types: HookTypes = None, category: str = "all"
     ) -> HookContext:
         """:meth:`hook_all_context` restricted to the hooks on ``modules``."""
         _check_category(category)
         return HookContext(lambda: self._select(self._modules(modules), hook_types, category))
 
     def hook_module_context_by_name(
-        self, *module_names: str, hook_types: Any = None, category: str = "all"
+        self, *module_names: str, hook_types: HookTypes = None, category: str = "all"
     ) -> HookContext:
         """:meth:`hook_module_context` with module names."""
         _check_category(category)
