@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import datetime as _dt
-import os
 import time
 from pathlib import Path
 from typing import Any

@@ -91,8 +91,6 @@ def export(run: str, handle: str, field: str, fmt: str, out: str, steps_spec: st
         raise click.ClickException(f"{handle} {field} has no records to export")
     outp.parent.mkdir(parents=True, exist_ok=True)
     tmp = outp.with_name(outp.name + ".partial")
-    from hookline.storage.compare import iter_records
-
     with progress_bar(f"exporting {field}", int(idx.size), quiet=quiet) as advance:
         try:
             if fmt == "npy":
