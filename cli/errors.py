@@ -2,7 +2,9 @@
 
 Every :class:`~hookline.storage.HooklineError` (and the ``OSError`` family that h5py and the file
 system raise) becomes a :class:`click.ClickException`: click prints ``Error: <message>`` on stderr
-and exits with code 1 — no traceback. Set ``HOOKLINE_DEBUG=1`` to get the traceback back.
+and exits with code 1 — no traceback. Any other exception (a bug, or a dependency's error) also
+becomes one line, ``Error: unexpected <Type>: <message> (...)``. Set ``HOOKLINE_DEBUG=1`` to get
+the traceback instead.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ def one_line(text: str) -> str:
 
 def translate(exc: BaseException) -> click.ClickException | None:
     """The ClickException for a library error, or ``None`` when ``exc`` is not one."""
-    if isinstance(exc, click.ClickException):
+    if isinstance(exc, (click.ClickException, click.exceptions.Exit, click.exceptions.Abort)):
         return None
     if isinstance(exc, HooklineError):
         return click.ClickException(one_line(str(exc)) or type(exc).__name__)
@@ -37,6 +39,13 @@ def translate(exc: BaseException) -> click.ClickException | None:
         parts = [exc.strerror or "", repr(exc.filename) if exc.filename else ""]
         msg = ": ".join(p for p in parts if p) if exc.strerror else str(exc)
         return click.ClickException(one_line(msg) or type(exc).__name__)
+    if isinstance(exc, Exception):
+        # Not raised on purpose (a bug, or an error from a dependency): still one line, with the
+        # way to get the traceback for a bug report.
+        return click.ClickException(
+            f"unexpected {type(exc).__name__}: {one_line(str(exc))[:500]} "
+            f"(set HOOKLINE_DEBUG=1 for the traceback and please report it)"
+        )
     return None
 
 

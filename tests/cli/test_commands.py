@@ -336,3 +336,17 @@ def test_warnings_are_one_line(cli_runner, runs, monkeypatch):
         warnings.simplefilter("always")
         res = ok(cli_runner, "show", runs["a"])
     assert "warning: something odd with a second line" in res.stderr and "UserWarning" not in res.stderr
+
+
+def test_unexpected_errors_are_one_line_and_debuggable(cli_runner, runs, monkeypatch):
+    import hookline.cli.show as show_mod
+
+    def boom(run, hid):
+        raise ZeroDivisionError("division by zero\nsecond line")
+
+    monkeypatch.setattr(show_mod, "handle_info", boom)
+    res = fails(cli_runner, "show", runs["a"], quoted="unexpected ZeroDivisionError: division by zero second line")
+    assert "HOOKLINE_DEBUG=1" in res.stderr
+    monkeypatch.setenv("HOOKLINE_DEBUG", "1")
+    res = cli_runner.invoke(cli, ["show", str(runs["a"])])
+    assert isinstance(res.exception, ZeroDivisionError)
