@@ -396,12 +396,26 @@ class Field:
     @property
     def steps(self) -> np.ndarray:
         """Step of each entry of this field."""
-        return self.handle.steps[self.records]
+        if "_steps" not in self.__dict__:
+            self.__dict__["_steps"] = self.handle.steps[self.records]
+        return self.__dict__["_steps"]
 
     @property
     def calls(self) -> np.ndarray:
         """Call index of each entry of this field."""
-        return self.handle.calls[self.records]
+        if "_calls" not in self.__dict__:
+            self.__dict__["_calls"] = self.handle.calls[self.records]
+        return self.__dict__["_calls"]
+
+    def step_indices(self, step: int) -> np.ndarray:
+        """Entry indices recorded at ``step``, in record order (O(log n) after the first call)."""
+        if "_order" not in self.__dict__:
+            order = np.argsort(self.steps, kind="stable")
+            self.__dict__["_order"] = order
+            self.__dict__["_sorted_steps"] = self.steps[order]
+        sorted_steps = self.__dict__["_sorted_steps"]
+        lo, hi = np.searchsorted(sorted_steps, step, "left"), np.searchsorted(sorted_steps, step, "right")
+        return np.sort(self.__dict__["_order"][lo:hi])
 
     def record_shape(self, i: int) -> tuple[int, ...]:
         """Shape of entry ``i`` (no data read)."""
@@ -463,7 +477,7 @@ class Field:
 
     def at_step(self, step: int) -> np.ndarray | list[np.ndarray]:
         """The entries recorded at ``step`` (all calls, all ranks), stacked (a list if ragged)."""
-        return self._gather(np.flatnonzero(self.steps == step))
+        return self._gather(self.step_indices(step))
 
     def norms(self) -> np.ndarray:
         """float64 L2 norm of every entry (stored by the writer for float/complex fields; computed

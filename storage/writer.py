@@ -418,6 +418,8 @@ class RunWriter:
                 f"unknown handle {handle_id!r}: call add_handle() first (known: {sorted(self._handles)[:20]})")
         step = int(operator.index(step))
         call = int(operator.index(call))
+        if type(fields) is not dict and not isinstance(fields, Mapping):
+            raise HookTypeError(f"fields must be a mapping of field name -> array, got {type(fields).__name__}")
         norm_fields: dict[str, tuple[np.ndarray, str]] = {}
         nbytes = 0
         for name, v in fields.items():

@@ -151,3 +151,16 @@ def test_reader_in_numpy_h5py_only_venv(tmp_path, run_dir):
     env["PYTHONPATH"] = str(tmp_path / "src")
     r = subprocess.run([str(py), "-c", code], capture_output=True, text=True, timeout=60, env=env, cwd=tmp_path)
     assert r.returncode == 0 and "read ok" in r.stdout, r.stdout + r.stderr
+
+
+def test_at_step_with_several_calls_and_unsorted_steps(run_dir):
+    with RunWriter(run_dir) as w:
+        w.add_handle(HID)
+        order = [(3, 0), (3, 1), (1, 0), (3, 2), (2, 0), (1, 1)]
+        for k, (step, call) in enumerate(order):
+            w.write(HID, step, call, {"outputs.0": np.full(2, k, np.float32)})
+    f = open_run(run_dir)[HID]["outputs.0"]
+    assert f.at_step(3)[:, 0].tolist() == [0.0, 1.0, 3.0]
+    assert f.at_step(1)[:, 0].tolist() == [2.0, 5.0]
+    assert f.at_step(7).shape == (0, 2)
+    assert f.calls.tolist() == [c for _, c in order]
