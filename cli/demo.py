@@ -9,7 +9,7 @@ from typing import Any
 
 import click
 
-from .options import CONTEXT_SETTINGS, console, esc, human_bytes, progress_bar, quiet_option
+from .options import CONTEXT_SETTINGS, console, esc, human_bytes, progress_bar, quiet_mlflow_logs, quiet_option
 
 EXPERIMENT = "hookline-demo"
 DEMO_TAG = "hookline.demo"
@@ -102,11 +102,7 @@ def _train(run_dir, lr, steps, every, *, mlflow_run_id, tracking_uri, advance, H
 
 
 def _mlflow_setup(tracking_uri: str | None, session: str) -> tuple[Any, str, str]:
-    import logging
-
-    # MLflow announces the creation of its sqlite tables at INFO level; not news for a demo user.
-    logging.getLogger("mlflow.store.db.utils").setLevel(logging.WARNING)
-    logging.getLogger("alembic").setLevel(logging.WARNING)
+    quiet_mlflow_logs()
     from mlflow import MlflowClient
 
     client = MlflowClient(tracking_uri=tracking_uri)

@@ -44,6 +44,15 @@ def tracking_uri_option(fn: Callable) -> Callable:
 # --------------------------------------------------------------------------------------------
 # runs
 # --------------------------------------------------------------------------------------------
+def quiet_mlflow_logs() -> None:
+    """MLflow announces creating its sqlite tables at INFO level on first use; not news to a
+    CLI user (warnings and errors still show)."""
+    import logging
+
+    for name in ("mlflow.store.db.utils", "alembic"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+
+
 def run_source(run: str) -> str:
     """Normalise a RUN argument: a directory, ``runs:/ID``/``mlflow-artifacts:`` URI, or a bare
     MLflow run id (turned into ``runs:/ID``)."""

@@ -17,6 +17,7 @@ from .options import (
     human_bytes,
     json_option,
     plain,
+    quiet_mlflow_logs,
     tracking_uri_option,
 )
 
@@ -93,6 +94,7 @@ def runs(experiment: str | None, filter_string: str | None, max_results: int, tr
       hookline runs --filter "params.lr = '0.1'" --json
       hookline runs --tracking-uri http://127.0.0.1:5000
     """
+    quiet_mlflow_logs()
     from mlflow import MlflowClient
 
     from hookline.storage.errors import TrackingError, UnknownNameError
