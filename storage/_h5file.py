@@ -115,6 +115,21 @@ class _FieldOut:
         self.n = b
 
 
+    def append_records(self, arrays: list[np.ndarray]) -> None:
+        """Append records of a one-record-per-chunk field: one resize, one direct chunk write
+        per record straight from its memory (no assembly copy)."""
+        k = len(arrays)
+        if k == 0:
+            return
+        a = self.n
+        self.ds.resize(a + k, axis=0)
+        zeros = (0,) * len(self.spec.shape)
+        wdc = self.ds.id.write_direct_chunk
+        for j, arr in enumerate(arrays):
+            wdc((a + j, *zeros), arr)
+        self.n = a + k
+
+
 class HandleFileWriter:
     """Writes one complete handle file; call :meth:`finish` to write the indexes and close it.
 

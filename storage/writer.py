@@ -766,7 +766,7 @@ class RunWriter:
                 sf.arrays.append(arr)
                 sf.staged_items += 1
             sf.staged_bytes += arr.nbytes
-            if sf.out is None:
+            if sf.out is None or sf.chunk_items == 1:
                 if sf.staged_bytes >= (1 << 20) or (not sf.spec.ragged and sf.staged_items >= 1 << 16):
                     self._write_out(seg, sf, full_only=True)
             elif sf.written_items % sf.chunk_items + sf.staged_items >= sf.chunk_items:
@@ -810,7 +810,14 @@ class RunWriter:
         st = spec.info.storage
         self._current_path = seg.partial
         released = 0
-        if not spec.ragged:
+        if not spec.ragged and sf.out.direct and sf.chunk_items == 1:
+            arrs = sf.arrays[:k]
+            if spec.info.has_norm:
+                sf.norms.extend(_l2(a, spec.dtype_name) for a in arrs)
+            sf.out.append_records(arrs)
+            del sf.arrays[:k]
+            released = k * sf.item_bytes
+        elif not spec.ragged:
             if k == 1 and len(sf.arrays) >= 1:
                 block = sf.arrays[0][None]
             else:
