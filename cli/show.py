@@ -173,10 +173,12 @@ def show(run: str, handle: str | None, as_json: bool, quiet: bool, tracking_uri:
         for i in infos:
             if i["warning"]:
                 click.echo(f"warning: {i['warning']}", err=True)
+        status = getattr(r, "status", None)
+        meta = getattr(r, "meta", None) or {}
         if as_json:
-            echo_json(clean_json({"run": run, "handles": infos}))
+            echo_json(clean_json({"run": run, "status": status, "meta": meta, "handles": infos}))
             return
-        _print_run(run, infos)
+        _print_run(run, infos, status, meta)
         return
 
     info = handle_info(r, handle)  # unknown handle -> UnknownNameError -> one-line error
@@ -195,11 +197,21 @@ def show(run: str, handle: str | None, as_json: bool, quiet: bool, tracking_uri:
     _print_handle(run, info)
 
 
-def _print_run(run: str, infos: list[dict]) -> None:
+def _print_run(run: str, infos: list[dict], status: str | None = None, meta: dict | None = None) -> None:
     from rich import box
     from rich.table import Table
 
     total = sum(i["bytes"] or 0 for i in infos)
+    bits = [f"status {status}"] if status else []
+    meta = meta or {}
+    for key in ("mlflow_run_id", "torch_version", "every", "steps"):
+        if meta.get(key) is not None:
+            bits.append(f"{key} {meta[key]}")
+    extra = {k: v for k, v in meta.items() if k not in ("mlflow_run_id", "torch_version", "every", "steps")}
+    if extra:
+        bits.append("meta " + ", ".join(f"{k}={v}" for k, v in list(extra.items())[:6]))
+    if bits:
+        console().print("; ".join(bits), soft_wrap=True, markup=False, highlight=False)
     table = Table(box=box.SIMPLE_HEAD, show_edge=False, collapse_padding=True, title=f"{esc(run)}: {len(infos)} handles, {human_bytes(total)}", title_justify="left", pad_edge=False)
     table.add_column("handle", overflow="fold", min_width=12)
     table.add_column("type", overflow="fold")

@@ -44,7 +44,7 @@ def test_show_run_table_and_json(cli_runner, runs):
     for h in ("outputs[fc1]", "grads[head]", "grad_out.0", "float32"):
         assert h in res.stdout
     d = json.loads(ok(cli_runner, "show", runs["a"], "--json").stdout)
-    assert d["run"] == str(runs["a"])
+    assert d["run"] == str(runs["a"]) and d["status"] == "closed" and "torch_version" in d["meta"]
     by_id = {h["handle"]: h for h in d["handles"]}
     h = by_id["outputs[fc1]"]
     assert h["records"] == 4 and h["steps"] == [0, 9] and h["n_steps"] == 4
