@@ -76,3 +76,12 @@ def test_docs_index_links():
         assert f"({page})" in index, page
     for example in ("cka_two_runs.py", "grad_norm_trajectories.py"):
         assert example in index
+
+
+@pytest.mark.parametrize("page", ["index.md", "quickstart.md", "cli.md"])
+def test_relative_links_resolve(page):
+    text = (ROOT / "docs" / page).read_text(encoding="utf-8")
+    for target in re.findall(r"\]\(([^)#\s]+)\)", text):
+        if "://" in target:
+            continue
+        assert (ROOT / "docs" / target).exists(), f"{page} links to missing {target}"
