@@ -204,3 +204,18 @@ def test_distributed_runs_pair_on_rank(tmp_path):
     ratio = dict(zip(zip(r.ranks.tolist(), r.steps.tolist()), r.values["norm_ratio"].tolist()))
     assert all(ratio[(0, s)] == pytest.approx(1.0) and ratio[(1, s)] == pytest.approx(3.0) for s in range(3))
     assert r.to_dict()["ranks"] is not None
+
+
+def test_norm_ratio_only_uses_stored_norms(runs, monkeypatch):
+    full = compare_runs(runs["a"], runs["b"])
+    ra, rb = open_run(runs["a"]), open_run(runs["b"])
+
+    from hookline.storage import reader
+
+    def no_data(self, *a, **k):
+        raise AssertionError("data read although only norms were needed")
+
+    monkeypatch.setattr(reader.Field, "__getitem__", no_data)
+    fast = compare_runs(ra, rb, metrics=["norm_ratio"])
+    for x, y in zip(full, fast):
+        np.testing.assert_allclose(y.values["norm_ratio"], x.values["norm_ratio"], rtol=1e-6)
