@@ -118,10 +118,12 @@ def compare(run_a: str, run_b: str, handles: tuple[str, ...], fields: tuple[str,
     """Compare two runs per handle, field and common step.
 
     For every (step, call) recorded in both runs, with a = RUN_A's record and b = RUN_B's:
-    cosine = a.b/(|a||b|), rel_l2 = |a-b|/|a|, norm_ratio = |b|/|a|. The table shows the mean
-    over steps and the worst step; --json and --plot give every step. Handles or fields present
-    in only one run, differing shapes and runs without common steps are reported, not fatal.
-    RUN is a run directory, runs:/<id>, or an MLflow run id.
+    cosine = a.b/(|a||b|), rel_l2 = |a-b|/|a|, norm_ratio = |b|/|a|. A step with several
+    calls is compared call by call. The table shows, per metric, mean/worst over the steps
+    (worst: min cosine, max rel_l2, norm_ratio farthest from 1); --json and --plot give every
+    step. Handles or fields present in only one run, differing shapes, runs without common
+    steps and unreadable files are reported in the table (exit code 0). Streams: runs larger
+    than memory compare fine. RUN is a run directory, runs:/<id>, or an MLflow run id.
 
     \b
     Example:
@@ -129,7 +131,7 @@ def compare(run_a: str, run_b: str, handles: tuple[str, ...], fields: tuple[str,
       hookline compare runs/a runs/b --handle 'grads[*]' --field grad_out.0 --plot cmp.png
       hookline compare runs:/0a1b... runs:/9f8e... --metric cosine --json
     """
-    from hookline.storage.compare import count_pairs, iter_compare, CompareResult
+    from hookline.storage.compare import CompareResult, count_pairs, iter_compare
 
     ms = tuple(dict.fromkeys(metrics)) or METRIC_CHOICES
     ra = open_run_arg(run_a, tracking_uri)

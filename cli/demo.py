@@ -101,7 +101,7 @@ def _train(run_dir, lr, steps, every, *, mlflow_run_id, tracking_uri, advance, H
     return losses, summary, error
 
 
-def _mlflow_setup(tracking_uri: str | None, session: str) -> tuple[Any, str, str]:
+def _mlflow_setup(tracking_uri: str | None) -> tuple[Any, str, str]:
     quiet_mlflow_logs()
     from mlflow import MlflowClient
 
@@ -168,7 +168,7 @@ def demo(out: str, tracking_uri: str | None, steps: int, every: int, no_mlflow: 
     mlflow_note: str | None = None
     if not no_mlflow:
         try:
-            client, exp_id, resolved_uri = _mlflow_setup(tracking_uri, session)
+            client, exp_id, resolved_uri = _mlflow_setup(tracking_uri)
         except Exception as e:  # noqa: BLE001 - the demo still runs without MLflow
             mlflow_note = f"MLflow unavailable ({' '.join(str(e).split())[:300]}); recording locally only"
             client = None

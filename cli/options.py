@@ -58,7 +58,7 @@ def run_source(run: str) -> str:
     MLflow run id (turned into ``runs:/ID``)."""
     if os.path.exists(run):
         return run
-    if run.startswith(("runs:/", "mlflow-artifacts:", "models:/")):
+    if run.startswith(("runs:/", "mlflow-artifacts:")):
         return run
     if _RUN_ID.fullmatch(run):
         return f"runs:/{run}"
