@@ -194,6 +194,12 @@ def verify(path: str | os.PathLike[str], repair: bool = False) -> VerifyReport:
     if not manifests:
         report.problems.append("no manifest and no hookline files")
         return report
+    for tmp in sorted(run_dir.glob("manifest*.json.tmp")):  # a manifest write that never finished
+        if repair:
+            report.repaired.append(f"moved interrupted manifest write {tmp.name} to "
+                                   f"{_quarantine(run_dir, tmp.name, report)}")
+        else:
+            report.problems.append(f"interrupted manifest write {tmp.name} (the manifest itself is intact)")
     for m in manifests:
         rank, ws = m.get("rank"), m.get("world_size")
         suffix = rank_suffix(rank, ws)
