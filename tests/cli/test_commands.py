@@ -350,3 +350,27 @@ def test_unexpected_errors_are_one_line_and_debuggable(cli_runner, runs, monkeyp
     monkeypatch.setenv("HOOKLINE_DEBUG", "1")
     res = cli_runner.invoke(cli, ["show", str(runs["a"])])
     assert isinstance(res.exception, ZeroDivisionError)
+
+
+@pytest.mark.slow
+def test_against_a_real_mlflow_server(cli_runner, mlflow_server, tmp_path, recorder_run):
+    """runs / show / compare with --tracking-uri pointing at a real `mlflow server`."""
+    from mlflow import MlflowClient
+
+    client = MlflowClient(mlflow_server)
+    exp = client.create_experiment(f"cli-server-{tmp_path.name}")
+    ids = []
+    for lr in (0.05, 0.5):
+        rid = client.create_run(exp, run_name=f"lr{lr}").info.run_id
+        recorder_run(tmp_path / f"lr{lr}", lr=lr, mlflow_run_id=rid, tracking_uri=mlflow_server)
+        ids.append(rid)
+    d = json.loads(ok(cli_runner, "runs", "--tracking-uri", mlflow_server, "--experiment", f"cli-server-{tmp_path.name}",
+                      "--json").stdout)
+    assert sorted(r["run_id"] for r in d["runs"]) == sorted(ids) and all(r["handles"] == 4 for r in d["runs"])
+    d = json.loads(ok(cli_runner, "show", ids[0], "--tracking-uri", mlflow_server, "--json").stdout)
+    assert len(d["handles"]) == 4
+    d = json.loads(ok(cli_runner, "compare", f"runs:/{ids[0]}", f"runs:/{ids[1]}", "--tracking-uri", mlflow_server,
+                      "--handle", "grads[fc1]", "--json").stdout)
+    local = json.loads(ok(cli_runner, "compare", tmp_path / "lr0.05", tmp_path / "lr0.5", "--handle", "grads[fc1]",
+                          "--json").stdout)
+    assert d["results"][0]["cosine"] == local["results"][0]["cosine"]
