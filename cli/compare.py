@@ -22,6 +22,8 @@ from .options import (
 )
 
 METRIC_CHOICES = ("cosine", "rel_l2", "norm_ratio")
+#: At most this many panels (handles) in a --plot.
+MAX_PANELS = 24
 
 _STATUS_TEXT = {
     "ok": "[green]ok[/]",
@@ -108,7 +110,7 @@ def render_problems(results: Sequence[Any]) -> None:
 @click.option("--metric", "metrics", multiple=True, type=click.Choice(METRIC_CHOICES),
               help="Metric(s) to show and plot (default: all three). Repeatable.")
 @click.option("--plot", "plot", type=click.Path(dir_okay=False, writable=True), metavar="PNG",
-              help="Write a plot: one panel per handle, metric over steps.")
+              help="Write a plot: one panel per handle (at most 24), metric over steps.")
 @json_option
 @quiet_option
 @tracking_uri_option
@@ -145,7 +147,11 @@ def compare(run_a: str, run_b: str, handles: tuple[str, ...], fields: tuple[str,
     if plot:
         from .plot import plot_comparison
 
-        plot_comparison(results, plot, metrics=ms, label_a=run_a, label_b=run_b)
+        plot_comparison(results, plot, metrics=ms, label_a=run_a, label_b=run_b, max_panels=MAX_PANELS)
+        plotted = {r.handle for r in results if r.status == "ok" and len(r.steps)}
+        if len(plotted) > MAX_PANELS:
+            click.echo(f"warning: the plot shows the first {MAX_PANELS} of {len(plotted)} handles; "
+                       f"select fewer with --handle", err=True)
     if as_json:
         d = res.to_dict()
         d["plot"] = plot
