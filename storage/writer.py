@@ -287,6 +287,7 @@ class RunWriter:
         self.merge_on_close = merge_on_close
         self.fsync = fsync
         self._suffix = rank_suffix(rank, world_size)
+        self._lock_fd = _lock_run(self.run_dir, self._suffix)
         self._manifest_path = self.run_dir / manifest_name(rank, world_size)
         self._created = now_iso()
         self._old_handles: dict[str, Any] = {}
@@ -557,6 +558,14 @@ class RunWriter:
                 self._thread.join(timeout=60)
                 self._closed = True
                 self._close_stats = self.stats()
+                try:
+                    os.unlink(self.run_dir / f".writer{self._suffix}.lock")  # clean close: no leftovers
+                except OSError:
+                    pass
+                try:
+                    os.close(self._lock_fd)  # releases the flock
+                except OSError:
+                    pass
         else:
             while not self._closed:
                 time.sleep(0.01)
@@ -1079,6 +1088,27 @@ class RunWriter:
         atomic_write_json(self._manifest_path, m, fsync=self.fsync)
         self._dirty = False
         self._current_path = None
+
+
+def _lock_run(run_dir: Path, suffix: str) -> int:
+    """Take an exclusive ``flock`` on ``<run_dir>/.writer<suffix>.lock`` (released on close or
+    process death) so two writers never write the same rank of a run at once."""
+    import fcntl
+
+    path = run_dir / f".writer{suffix}.lock"
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:
+        raise StorageError(f"cannot create lock file {str(path)!r}: {e}") from e
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        raise StorageError(
+            f"another RunWriter is writing {str(run_dir)!r}{' (' + suffix[1:] + ')' if suffix else ''} "
+            f"(lock {str(path)!r} is held): close it first, or use another run directory / rank"
+        ) from None
+    return fd
 
 
 def _weak_close(w: RunWriter) -> Any:

@@ -256,3 +256,14 @@ def test_concurrent_writers_threads(run_dir):
     for h in hids:
         f = run[h]["outputs.0"]
         assert len(f) == 100 and f[99][0, 0] == 99
+
+
+def test_second_writer_on_same_run_is_refused(run_dir):
+    from hookline.storage import StorageError
+
+    w = RunWriter(run_dir)
+    with pytest.raises(StorageError, match="another RunWriter"):
+        RunWriter(run_dir)
+    RunWriter(run_dir, rank=1, world_size=2).close()  # another rank is fine
+    w.close()
+    RunWriter(run_dir).close()  # released by close
