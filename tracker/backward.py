@@ -92,15 +92,23 @@ class PendingInputs:
         self.versions = [t._version for t in inputs]
         self.aliases = aliases
 
-    def rebase_modified(self) -> None:
-        """Re-base caller tensors that the module modified in place (through their alias)."""
-        done: set[int] = set()
+    def rebase_modified(self, outputs: Leaves) -> Leaves:
+        """Re-base caller tensors that the module modified in place (through their alias).
+
+        Returns ``outputs`` with each such alias replaced by the caller's own tensor, so that the
+        caller keeps one tensor object, as without hooks: later in-place ops on the returned
+        value then also update the history of every reference the caller holds.
+        """
+        swap: dict[int, _Tensor] = {}
         for t, v, alias in zip(self.inputs, self.versions, self.aliases):
-            if t._version != v and id(t) not in done:
-                done.add(id(t))
+            if t._version != v and id(t) not in swap:
                 version = t._version
                 _Rebase.apply(t, alias)
                 _set_versions((t,), (version,))  # the re-base is not a new modification
+                swap[id(alias)] = t
+        if not swap or not any(id(o) in swap for o in outputs):
+            return outputs
+        return Leaves([swap.get(id(o), o) for o in outputs], outputs.paths, outputs.skipped)
 
 
 class BackwardCall:

@@ -139,12 +139,16 @@ class ModuleHooks:
                     replaced = replaced or new_leaves is not leaves
                     leaves = new_leaves
         if entry is not None:
-            if isinstance(entry, PendingInputs):
-                entry.rebase_modified()
-                entry = entry.call
             if leaves is None:
                 leaves, spec = flatten(output)
+            rebased = leaves
+            if isinstance(entry, PendingInputs):
+                rebased = entry.rebase_modified(leaves)
+                entry = entry.call
+            # hooks go on the aliases: all gradient for the module's result flows into them
             entry.watch_outputs(leaves)
+            if rebased is not leaves:
+                leaves, replaced = rebased, True
         if replaced:
             return unflatten(spec, leaves)
         return None

@@ -228,3 +228,62 @@ def test_inplace_module_on_a_view_input(mgr):
     torch.testing.assert_close(grad_in, grad_v)
     torch.testing.assert_close(grad_out, grad_y)
     torch.testing.assert_close(a.grad, grad_a)
+
+
+class Double(nn.Module):
+    """Doubles its input, in place when ``inplace`` (like ReLU(inplace=True), but never a no-op)."""
+
+    def __init__(self, inplace: bool = True) -> None:
+        super().__init__()
+        self.inplace = inplace
+
+    def forward(self, x):
+        return x.mul_(2) if self.inplace else x * 2
+
+
+def test_nested_modules_modifying_the_outer_input_in_place(mgr):
+    """In-place ops of two inner modules modify the input of every enclosing hooked module."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.Sequential(nn.Sequential(Double()), nn.ReLU(inplace=True)))
+    x = torch.randn(3, 4)
+
+    def loss(m):
+        h = m[0](x)
+        y = m[1](h)
+        inplace = m[1][1].inplace  # with in-place ops, h IS y afterwards
+        return (y * 3).sum() + ((y if not inplace else h) * torch.arange(4.0)).sum()
+
+    got, hook = recorder()
+    reference = out_of_place(model)
+    mgr.register_backward_hook(hook, **select(model, "*"))
+    loss(model).backward()
+    assert_same_calls(got, reference_grads(reference, select(reference, "*"), loss))
+    loss(reference).backward()
+    torch.testing.assert_close(model[0].weight.grad, reference[0].weight.grad)
+
+
+class KeepsReference(nn.Module):
+    """Keeps a reference to a tensor that two in-place modules modify afterwards."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.times2 = Double()
+        self.relu = nn.ReLU(inplace=True)
+
+    def forward(self, x):
+        h = self.lin(x)
+        keep = h  # the same tensor as y below, as without hooks
+        y = self.relu(self.times2(h))
+        return (y * 3).sum() + (keep * torch.arange(4.0)).sum()
+
+
+@pytest.mark.parametrize("pattern", ["*", "times2", "relu"])
+def test_caller_reference_sees_later_in_place_ops(mgr, pattern):
+    model = KeepsReference()
+    reference = copy.deepcopy(model)
+    x = torch.randn(3, 4)
+    mgr.register_backward_hook(lambda *a: None, **select(model, pattern))
+    model(x).backward()
+    reference(x).backward()
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)
