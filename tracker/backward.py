@@ -8,8 +8,9 @@ For every call of a module with active backward hooks (and grad mode on):
   residual branch too or is passed twice) and delivers all of them at once. Its outputs are
   detached aliases of the inputs (same storage and version counter, not views), so a module that
   modifies its input in place (``nn.ReLU(inplace=True)``) works; the caller's tensor is then
-  re-based onto the module's in-place result (:class:`_Rebase`), which keeps torch's in-place
-  semantics for the caller.
+  re-based onto the module's in-place result (:class:`_Rebase`) and returned in place of the
+  alias, which keeps torch's in-place semantics for the caller (one tensor object whose history
+  includes the modification and any later in-place op).
 * the forward hook registers plain tensor hooks on the output leaves (no custom Function on the
   outputs, so in-place ops after the module, like ``out += identity``, keep working; a tensor hook
   registered before an in-place op receives the gradient of the value before the modification).
