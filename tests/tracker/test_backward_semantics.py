@@ -321,3 +321,21 @@ def test_activation_checkpointing(mgr, reentrant):
     checkpoint(m, x, use_reentrant=reentrant).pow(2).sum().backward()
     assert [c[0] for c in calls] == ["2", "1", "0"]  # once per call, not again for the recompute
     torch.testing.assert_close(calls[-1][1][0], want)
+
+
+def test_torch_full_backward_hook_fails_on_an_in_place_module():
+    relu = nn.ReLU(inplace=True)
+    handle = relu.register_full_backward_hook(lambda *a: None)
+    try:
+        with pytest.raises(RuntimeError, match="view and is being modified inplace"):
+            relu(torch.randn(3, requires_grad=True) * 1)
+    finally:
+        handle.remove()
+    mgr = HookManager()
+    calls, hook = counter()
+    mgr.register_backward_hook(hook, relu=relu)
+    x = torch.randn(3, requires_grad=True)
+    h = x * 1
+    relu(h).sum().backward()
+    mgr.remove_all_hooks()
+    torch.testing.assert_close(calls[0][1][0], (x > 0).float())
