@@ -100,13 +100,18 @@ class PendingInputs:
         caller keeps one tensor object, as without hooks: later in-place ops on the returned
         value then also update the history of every reference the caller holds.
         """
-        swap: dict[int, _Tensor] = {}
+        modified: dict[int, tuple[_Tensor, list[_Tensor]]] = {}  # id(t) -> (t, its aliases)
         for t, v, alias in zip(self.inputs, self.versions, self.aliases):
-            if t._version != v and id(t) not in swap:
-                version = t._version
-                _Rebase.apply(t, alias)
-                _set_versions((t,), (version,))  # the re-base is not a new modification
-                swap[id(alias)] = t
+            if t._version != v:
+                modified.setdefault(id(t), (t, []))[1].append(alias)
+        swap: dict[int, _Tensor] = {}
+        for t, aliases in modified.values():
+            # a tensor passed twice has two aliases: the one changed last has the full history
+            newest = max(aliases, key=lambda a: a.grad_fn._sequence_nr())
+            version = t._version
+            _Rebase.apply(t, newest)
+            _set_versions((t,), (version,))  # the re-base is not a new modification
+            swap.update((id(a), t) for a in aliases)
         if not swap or not any(id(o) in swap for o in outputs):
             return outputs
         return Leaves([swap.get(id(o), o) for o in outputs], outputs.paths, outputs.skipped)
