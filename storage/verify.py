@@ -139,6 +139,32 @@ def _check_part(p: Part) -> dict[str, int]:
     return counts
 
 
+def _check_locks(run_dir: Path, repair: bool, report: VerifyReport) -> list[str]:
+    """Writers hold ``.writer*.lock`` with flock. Returns the held ones; removes stale ones on repair."""
+    import fcntl
+
+    held = []
+    for lock in sorted(run_dir.glob(".writer*.lock")):
+        try:
+            fd = os.open(lock, os.O_RDWR)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            held.append(lock.name)
+            report.problems.append(f"a writer is active ({lock.name} is locked): this is a live run")
+            os.close(fd)
+            continue
+        try:
+            if repair:
+                os.unlink(lock)
+                report.repaired.append(f"removed stale writer lock {lock.name} (its writer died)")
+        finally:
+            os.close(fd)
+    return held
+
+
 def _quarantine(run_dir: Path, rel: str, report: VerifyReport) -> str:
     src = run_dir / rel
     dst = run_dir / QUARANTINE_DIR / rel
@@ -168,6 +194,11 @@ def verify(path: str | os.PathLike[str], repair: bool = False) -> VerifyReport:
     if not run_dir.is_dir():
         raise StorageError(f"no run directory {str(path)!r}")
     report = VerifyReport(str(path))
+    held = _check_locks(run_dir, repair, report)
+    if held and repair:
+        raise StorageError(
+            f"a RunWriter is still writing {str(path)!r} (lock {held[0]!r} is held): close it (or let it "
+            f"finish) before verify(repair=True); verify without repair reads a live run safely")
     src = LocalSource(run_dir)
     try:
         manifests = src.manifests()

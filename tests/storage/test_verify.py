@@ -89,3 +89,15 @@ def test_missing_manifest_is_rebuilt(run_dir):
     rep = verify(run_dir, repair=True)
     assert (run_dir / "manifest.json").exists()
     assert len(open_run(run_dir)[HID]) == 4, str(rep)
+
+
+def test_repair_refuses_a_live_run(run_dir):
+    from hookline.storage import StorageError
+
+    w = write_std_run(run_dir, n=6, flush_every=3)
+    rep = verify(run_dir)  # reading a live run is fine
+    assert "writer is active" in str(rep)
+    with pytest.raises(StorageError, match="still writing"):
+        verify(run_dir, repair=True)
+    w.close()
+    assert verify(run_dir).ok
