@@ -1102,7 +1102,9 @@ def _lock_run(run_dir: Path, suffix: str) -> int:
         raise StorageError(f"cannot create lock file {str(path)!r}: {e}") from e
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
+    except OSError as e:
+        if e.errno not in (_errno.EWOULDBLOCK, _errno.EAGAIN, _errno.EACCES):
+            return fd  # file system without flock (e.g. some NFS): run unlocked
         os.close(fd)
         raise StorageError(
             f"another RunWriter is writing {str(run_dir)!r}{' (' + suffix[1:] + ')' if suffix else ''} "
