@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from hookline.storage.errors import InvalidArgumentError, WriterClosedError
+from hookline.storage.writer import RunWriter, WriterStats
 
 from .capture import CaptureHook, CaptureOptions, _Binding, field_tensors
 from .convert import DeviceCopier, to_field
@@ -29,7 +30,7 @@ log = logging.getLogger("hookline")
 
 @dataclass
 class HandleSummary:
-    """What one hook handle recorded."""
+    """What one hook handle recorded (counts from the storage writer) and what it cost."""
 
     handle_id: str
     records: int = 0
@@ -41,28 +42,33 @@ class HandleSummary:
 
 @dataclass
 class RecorderSummary:
-    """Returned by :meth:`Recorder.close`: per-handle records, bytes, drops and hook time."""
+    """Returned by :meth:`Recorder.close`: per-handle records, bytes, drops and hook time.
+
+    ``storage`` holds the writer's own counters (totals, peak buffer, time blocked on the disk).
+    """
 
     run_dir: str
     handles: dict[str, HandleSummary]
+    storage: WriterStats
     mlflow_run_id: str | None = None
     mlflow_error: str | None = None
 
     @property
     def records(self) -> int:
-        return sum(h.records for h in self.handles.values())
+        return self.storage.records
 
     @property
     def bytes(self) -> int:
-        return sum(h.bytes for h in self.handles.values())
+        return self.storage.bytes
 
     @property
     def dropped(self) -> int:
-        return sum(h.dropped for h in self.handles.values())
+        return self.storage.dropped
 
     def __str__(self) -> str:
         lines = [f"hookline run {self.run_dir}: {self.records} records, {self.bytes / 1e6:.1f} MB"
-                 + (f", {self.dropped} DROPPED" if self.dropped else "")]
+                 + (f", {self.dropped} DROPPED (policy 'drop')" if self.dropped else "")
+                 + f", {self.storage.blocked_seconds:.2f} s blocked on the disk"]
         for h in self.handles.values():
             lines.append(
                 f"  {h.handle_id:<40} {h.records:>7} rec {h.bytes / 1e6:>9.2f} MB"
@@ -155,7 +161,6 @@ class Recorder:
                     "steps": sorted(steps) if steps is not None else None, **(meta or {})}
         if mlflow_run_id is not None:
             run_meta["mlflow_run_id"] = mlflow_run_id
-        from hookline.storage import RunWriter
 
         self._writer = RunWriter(
             self.run_dir,
@@ -178,7 +183,8 @@ class Recorder:
         self._sampled = True
         self._closed = False
         self._bindings: list[tuple[CaptureHook, _Binding]] = []
-        self._summaries: dict[str, HandleSummary] = {}
+        self._hook_seconds: dict[str, float] = {}
+        self._skipped: dict[str, list[str]] = {}
         self._copier = DeviceCopier(self._deliver)
         self.inputs = CaptureHook(self, CaptureOptions("inputs"))
         self.outputs = CaptureHook(self, CaptureOptions("outputs"))
@@ -303,7 +309,8 @@ class Recorder:
         )
         with self._lock:
             self._bindings.append((hook, binding))
-            self._summaries.setdefault(binding.handle_id, HandleSummary(binding.handle_id))
+            self._hook_seconds.setdefault(binding.handle_id, 0.0)
+            self._skipped.setdefault(binding.handle_id, [])
             if not self._sampled and handle.active:
                 binding.suspended = True
                 handle.deactivate()
@@ -332,13 +339,12 @@ class Recorder:
         call = binding.calls
         binding.calls += 1
         names, tensors, skipped = field_tensors(groups, hook.options)
-        summary = self._summaries[binding.handle_id]
+        hid = binding.handle_id
         if skipped:
-            for s in skipped:
-                if s not in summary.skipped_fields:
-                    summary.skipped_fields.append(s)
-        self._copier.submit((binding.handle_id, step, call, names, hook.options.mode), tensors)
-        summary.hook_seconds += (time.perf_counter_ns() - t0) * 1e-9
+            known = self._skipped[hid]
+            known.extend(p for p in skipped if p not in known)
+        self._copier.submit((hid, step, call, names, hook.options.mode), tensors)
+        self._hook_seconds[hid] += (time.perf_counter_ns() - t0) * 1e-9
 
     def _deliver(self, payload: tuple, host: list[torch.Tensor]) -> None:
         handle_id, step, call, names, mode = payload
@@ -349,14 +355,7 @@ class Recorder:
         else:
             for name, t in zip(names, host):
                 fields[name] = to_field(t)
-        nbytes = sum((v[0] if isinstance(v, tuple) else v).nbytes for v in fields.values())
-        accepted = self._writer.write(handle_id, step, call, fields)
-        summary = self._summaries[handle_id]
-        if accepted:
-            summary.records += 1
-            summary.bytes += nbytes
-        else:
-            summary.dropped += 1
+        self._writer.write(handle_id, step, call, fields)  # drops are counted by the writer
 
     # --- lifecycle --------------------------------------------------------------------------
     def _check_open(self) -> None:
@@ -383,7 +382,15 @@ class Recorder:
 
     def summary(self) -> RecorderSummary:
         """Per-handle records, bytes, drops and time spent in hooks so far."""
-        return RecorderSummary(str(self.run_dir), dict(self._summaries), self.mlflow_run_id)
+        storage = self._writer.stats()
+        handles = {}
+        for hid, seconds in self._hook_seconds.items():
+            st = storage.handles.get(hid)
+            handles[hid] = HandleSummary(
+                hid, st.records if st else 0, st.bytes if st else 0, st.dropped if st else 0,
+                seconds, list(self._skipped[hid]),
+            )
+        return RecorderSummary(str(self.run_dir), handles, storage, self.mlflow_run_id)
 
     def close(self) -> RecorderSummary:
         """Flush, close the files, upload to MLflow if configured; idempotent.
@@ -409,7 +416,7 @@ class Recorder:
                 b.handle.remove()
             self._writer.close()
         # Every rank must have recorded the same handles (checked after the files are complete).
-        check_same_handles(self._dist, list(self._summaries))
+        check_same_handles(self._dist, list(self._hook_seconds))
         summary = self.summary()
         if self._mlflow is not None:
             self._mlflow.submit(self.run_dir)

@@ -423,3 +423,22 @@ def test_summary_counts_records_bytes_and_hook_time(tmp_path):
     h = summary.handles["outputs[lin]"]
     assert h.records == 3 and h.bytes == 3 * 2 * 8 * 4 and h.dropped == 0 and h.hook_seconds > 0
     assert "outputs[lin]" in str(summary)
+
+
+def test_drop_policy_counts_every_dropped_record(tmp_path, monkeypatch):
+    from hookline.storage import RunWriter
+
+    monkeypatch.setattr(RunWriter, "test_delay_s_per_mb", 0.5)  # a disk far slower than capture
+    model = nn.Linear(4, 64 * 1024)  # 256 KiB per record (batch 1)
+    mgr = HookManager()
+    rec = Recorder(tmp_path / "run", max_buffer_mb=1, policy="drop")
+    mgr.register_forward_hook(rec.outputs, lin=model)
+    with torch.no_grad():
+        for step in range(40):
+            with rec.step(step):
+                model(torch.randn(1, 4))
+    summary = rec.close()
+    h = summary.handles["outputs[lin]"]
+    assert h.dropped > 0 and h.records + h.dropped == 40
+    assert "DROPPED" in str(summary)
+    assert len(open_run(tmp_path / "run")["outputs[lin]"].steps) == h.records
