@@ -289,11 +289,14 @@ def test_source_of_unsynced_run_says_how_to_fix(store, new_run):
 def test_default_tracking_uri_is_mlflows_resolution(sqlite_tracking_uri, tmp_path):
     from mlflow import MlflowClient
 
+    repo_db = REPO / "mlflow.db"  # may exist from running the demo in the checkout
+    before = repo_db.stat().st_mtime_ns if repo_db.exists() else None
     rid = MlflowClient().create_run("0").info.run_id  # MLFLOW_TRACKING_URI set by the fixture
     built = build_run(tmp_path / "run", SPECS[:1], records=2)
     assert sync(built.path, rid).ok
     assert MlflowClient(sqlite_tracking_uri).get_run(rid).data.tags["hookline.handles"] == "1"
-    assert not (REPO / "mlflow.db").exists()
+    after = repo_db.stat().st_mtime_ns if repo_db.exists() else None
+    assert after == before, "the test wrote to the repository's mlflow.db"
 
 
 # --------------------------------------------------------------------------------------------
