@@ -45,66 +45,99 @@ def mlp(width: int, depth: int) -> torch.nn.Sequential:
     return torch.nn.Sequential(*layers)
 
 
-def step_fn(model, x):
-    def run():
-        model.zero_grad(set_to_none=True)
-        model(x).square().mean().backward()
+def paired_ratio(run, variants: dict, rounds: int, steps: int) -> dict[str, tuple[float, float]]:
+    """Median step time per variant and median of per-round ratios to the baseline.
 
-    return run
+    Every round times ``steps`` steps of the baseline and of each variant back to back (wall
+    time, after one warm-up step each), so drift of the machine cancels in the ratios.
+    ``variants`` maps a name to ``(enter, leave)`` callables that switch the variant on and off;
+    ``set_step`` keeps a running step counter for recorders.
+    """
+    counter = [0]
+    times: dict[str, list[float]] = {"base": [], **{k: [] for k in variants}}
+    ratios: dict[str, list[float]] = {k: [] for k in variants}
 
-
-def time_steps(run, n: int, set_step=None) -> float:
-    """Median step time (seconds) over n steps after 3 warm-up steps."""
-    times = []
-    for i in range(n + 3):
+    def timed(enter=None, leave=None) -> float:
+        if enter:
+            enter(counter)
+        run(counter)
         t0 = time.perf_counter()
-        if set_step is not None:
-            set_step(i)
-        run()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times[3:])
+        for _ in range(steps):
+            run(counter)
+        dt = (time.perf_counter() - t0) / steps
+        if leave:
+            leave()
+        return dt
+
+    for _ in range(rounds):
+        b = timed()
+        times["base"].append(b)
+        for k, (enter, leave) in variants.items():
+            v = timed(enter, leave)
+            times[k].append(v)
+            ratios[k].append(v / b)
+    out = {"base": (statistics.median(times["base"]), 1.0)}
+    for k in variants:
+        out[k] = (statistics.median(times[k]), statistics.median(ratios[k]))
+    return out
 
 
-def bench_overhead(tmp: Path, n: int) -> None:
+def bench_overhead(tmp: Path, rounds: int) -> None:
     torch.manual_seed(0)
     model = mlp(1024, 4)
     x = torch.randn(64, 1024)
-    run = step_fn(model, x)
-    base = []
-    hooked = []
-    skipped = []
-    deact = []
-    for rep in range(3):  # interleave to cancel drift
-        base.append(time_steps(run, n))
+    lin = select(model, "*", types=torch.nn.Linear)
+    recs: dict[str, Recorder] = {}
+
+    def run(counter):
+        rec = recs.get("active")
+        if rec is not None:
+            rec.set_step(counter[0])
+        counter[0] += 1
+        model.zero_grad(set_to_none=True)
+        model(x).square().mean().backward()
+
+    def recorder(name: str, every: int):
         mgr = HookManager()
-        with Recorder(tmp / f"ovh{rep}", every=1) as rec:
-            lin = select(model, "*", types=torch.nn.Linear)
-            mgr.register_forward_hook(rec.outputs, **lin)
-            mgr.register_backward_hook(rec.grads, **lin)
-            hooked.append(time_steps(run, n, rec.set_step))
-        shutil.rmtree(tmp / f"ovh{rep}")
-        mgr = HookManager()
-        with Recorder(tmp / f"skip{rep}", every=10**6) as rec:
-            lin = select(model, "*", types=torch.nn.Linear)
-            mgr.register_forward_hook(rec.outputs, **lin)
-            mgr.register_backward_hook(rec.grads, **lin)
-            skipped.append(time_steps(run, n, lambda i: rec.set_step(i + 1)))
-        shutil.rmtree(tmp / f"skip{rep}")
-        mgr = HookManager()
-        lin = select(model, "*", types=torch.nn.Linear)
-        mgr.register_forward_hook(lambda m, i, o: None, hook_fn_name="noop", **lin)
-        mgr.register_backward_hook(lambda m, gi, go: None, hook_fn_name="noopb", **lin)
-        mgr.deactivate_all_hooks()
-        deact.append(time_steps(run, n))
-        mgr.remove_hook_function("noop")
-        mgr.remove_hook_function("noopb") if "noopb" in mgr.name_to_hookfn else None
-    b = statistics.median(base)
+        rec = Recorder(tmp / name, every=every)
+        mgr.register_forward_hook(rec.outputs, **lin)
+        mgr.register_backward_hook(rec.grads, **lin)
+        rec.set_step(1)  # not sampled for every > 1: hooks off until entered
+        paused = rec.paused()
+        paused.__enter__()
+        state = {"paused": paused}
+
+        def enter(counter):
+            state["paused"].__exit__(None, None, None)
+            recs["active"] = rec
+
+        def leave():
+            recs.pop("active", None)
+            state["paused"] = rec.paused()
+            state["paused"].__enter__()
+
+        return rec, (enter, leave)
+
+    cap, cap_v = recorder("every1", 1)
+    skip, skip_v = recorder("skipped", 10**9)
+    noop = HookManager()
+    noop.register_forward_hook(lambda m, i, o: None, hook_fn_name="noop", **lin)
+    noop.register_backward_hook(lambda m, gi, go: None, hook_fn_name="noopb", **lin)
+    noop.deactivate_all_hooks()
+    res = paired_ratio(run, {"capture": cap_v, "skipped": skip_v,
+                             "deactivated": (lambda c: None, lambda: None)}, rounds, 10)
+    cap.close()
+    skip.close()
+    noop.remove_all_hooks()
     per_step_mb = 4 * 3 * 64 * 1024 * 4 / 2**20
-    print(f"[overhead] MLP 4x Linear(1024) batch 64, {per_step_mb:.0f} MB captured per step")
+    b = res["base"][0]
+    print(f"[overhead] MLP 4x Linear(1024) batch 64, {per_step_mb:.0f} MB captured per step; "
+          f"median of {rounds} paired rounds of 10 steps")
     print(f"  step without hooks           {b * 1e3:8.2f} ms")
-    print(f"  capture every step           {statistics.median(hooked) * 1e3:8.2f} ms  ratio {statistics.median(hooked) / b:.3f}x (target <= 1.05x)")
-    print(f"  capture, non-sampled steps   {statistics.median(skipped) * 1e3:8.2f} ms  ratio {statistics.median(skipped) / b:.3f}x (target <= 1.02x)")
-    print(f"  deactivated hooks            {statistics.median(deact) * 1e3:8.2f} ms  ratio {statistics.median(deact) / b:.3f}x (target <= 1.02x)")
+    for k, label, target in (("capture", "capture every step", "1.05"), ("skipped", "capture, non-sampled steps", "1.02"),
+                             ("deactivated", "deactivated hooks", "1.02")):
+        t, r = res[k]
+        print(f"  {label:<28} {t * 1e3:8.2f} ms  ratio {r:.3f}x (target <= {target}x)")
 
 
 def io_model():
@@ -113,12 +146,8 @@ def io_model():
     return torch.nn.Sequential(torch.nn.Linear(16, 8192), torch.nn.ReLU(), torch.nn.Tanh())
 
 
-def bench_throughput(tmp: Path, n: int) -> None:
-    model = io_model()
-    x = torch.randn(128, 16)
-    per_step = 3 * 128 * 8192 * 4  # three outputs, float32
-    total = per_step * n
-    # raw disk: the same bytes with numpy tofile (+ fsync), same directory
+def _raw(tmp: Path, per_step: int, n: int) -> float:
+    """numpy tofile of the same bytes, fsynced: seconds."""
     block = np.random.default_rng(0).standard_normal(per_step // 4, dtype=np.float32)
     t0 = time.perf_counter()
     with open(tmp / "raw.bin", "wb") as f:
@@ -126,44 +155,27 @@ def bench_throughput(tmp: Path, n: int) -> None:
             block.tofile(f)
         f.flush()
         os.fsync(f.fileno())
-    raw = total / (time.perf_counter() - t0)
+    dt = time.perf_counter() - t0
     os.remove(tmp / "raw.bin")
+    return dt
 
-    def forward_only():
-        with torch.no_grad():
-            model(x)
 
-    # hookline capture
+def _hookline(tmp: Path, model, x, n: int) -> float:
     mgr = HookManager()
+    t0 = time.perf_counter()
     rec = Recorder(tmp / "io", every=1, max_buffer_mb=256)
     mgr.register_forward_hook(rec.outputs, **select(model, "?"))
-    t0 = time.perf_counter()
-    for i in range(n):
-        with rec.step(i):
-            forward_only()
-    rec.close()
-    dt_hl = time.perf_counter() - t0
-    hl = total / dt_hl
+    with torch.no_grad():
+        for i in range(n):
+            with rec.step(i):
+                model(x)
+    rec.close()  # includes merging, fsync and the manifest
+    dt = time.perf_counter() - t0
     shutil.rmtree(tmp / "io")
+    return dt
 
-    # users today (1): list of cpu clones then torch.save
-    gc.collect()
-    rss0 = rss_mb()
-    store: list[torch.Tensor] = []
-    handles = [m.register_forward_hook(lambda m, i, o: store.append(o.detach().cpu().clone()))
-               for m in model]
-    t0 = time.perf_counter()
-    for _ in range(n):
-        forward_only()
-    growth = rss_mb() - rss0
-    torch.save(store, tmp / "list.pt")
-    dt_list = time.perf_counter() - t0
-    for h in handles:
-        h.remove()
-    store.clear()
-    os.remove(tmp / "list.pt")
 
-    # users today (2): per-record h5py append
+def _naive_h5py(tmp: Path, model, x, n: int) -> float:
     f = h5py.File(tmp / "naive.h5", "w")
     dsets = {}
 
@@ -178,20 +190,63 @@ def bench_throughput(tmp: Path, n: int) -> None:
 
     handles = [m.register_forward_hook(naive) for m in model]
     t0 = time.perf_counter()
-    for _ in range(n):
-        forward_only()
+    with torch.no_grad():
+        for _ in range(n):
+            model(x)
+    f.flush()
+    os.fsync(f.id.get_vfd_handle())
     f.close()
-    dt_naive = time.perf_counter() - t0
+    dt = time.perf_counter() - t0
     for h in handles:
         h.remove()
     os.remove(tmp / "naive.h5")
+    return dt
 
-    print(f"[throughput] IO-bound model, {per_step / 2**20:.0f} MB per step, {total / 2**30:.2f} GiB total")
-    print(f"  numpy tofile + fsync         {raw / 2**20:8.0f} MB/s")
-    print(f"  hookline Recorder            {hl / 2**20:8.0f} MB/s  ratio {hl / raw:.2f}x of raw (target >= 0.7x)")
-    print(f"  naive per-record h5py        {total / dt_naive / 2**20:8.0f} MB/s  hookline is {dt_naive / dt_hl:.2f}x faster")
-    print(f"  list of .cpu().clone() + torch.save {total / dt_list / 2**20:6.0f} MB/s, RSS grew {growth:.0f} MB "
-          f"for {total / 2**20:.0f} MB captured (grows without bound; hookline stays within max_buffer_mb)")
+
+def _list_then_save(tmp: Path, model, x, n: int) -> tuple[float, float]:
+    gc.collect()
+    rss0 = rss_mb()
+    store: list[torch.Tensor] = []
+    handles = [m.register_forward_hook(lambda m, i, o: store.append(o.detach().cpu().clone())) for m in model]
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        for _ in range(n):
+            model(x)
+    growth = rss_mb() - rss0
+    torch.save(store, tmp / "list.pt")
+    dt = time.perf_counter() - t0
+    for h in handles:
+        h.remove()
+    store.clear()
+    os.remove(tmp / "list.pt")
+    return dt, growth
+
+
+def bench_throughput(tmp: Path, n: int, reps: int) -> None:
+    model = io_model()
+    x = torch.randn(128, 16)
+    per_step = 3 * 128 * 8192 * 4  # three outputs, float32
+    total = per_step * n
+    raw, hl, naive = [], [], []
+    runs = {"raw": (raw, lambda: _raw(tmp, per_step, n)), "hookline": (hl, lambda: _hookline(tmp, model, x, n)),
+            "naive": (naive, lambda: _naive_h5py(tmp, model, x, n))}
+    order = list(runs)
+    for rep in range(reps):  # interleaved in a rotating order: drift of the disk cancels in the ratios
+        for name in order[rep % 3:] + order[: rep % 3]:
+            out, fn = runs[name]
+            out.append(fn())
+    dt_list, growth = _list_then_save(tmp, model, x, n)
+    r, h, v = (statistics.median(a) for a in (raw, hl, naive))
+    ratio_raw = statistics.median(a / b for a, b in zip(raw, hl))
+    ratio_naive = statistics.median(b / a for a, b in zip(hl, naive))
+    mbs = lambda dt: total / dt / 2**20  # noqa: E731
+    print(f"[throughput] IO-bound model (3 outputs of 128x8192 float32 per step), "
+          f"{per_step / 2**20:.0f} MB per step, {total / 2**30:.2f} GiB per measurement, median of {reps}")
+    print(f"  numpy tofile + fsync         {mbs(r):8.0f} MB/s")
+    print(f"  hookline Recorder (+close)   {mbs(h):8.0f} MB/s  ratio {ratio_raw:.2f}x of raw (target >= 0.7x)")
+    print(f"  naive per-record h5py        {mbs(v):8.0f} MB/s  hookline is {ratio_naive:.2f}x faster (target >= 3x)")
+    print(f"  list of .cpu().clone() + torch.save {mbs(dt_list):6.0f} MB/s, RSS grew {growth:.0f} MB "
+          f"for {total / 2**20:.0f} MB captured (grows with the run; hookline stays within max_buffer_mb)")
 
 
 def main() -> None:
@@ -202,8 +257,8 @@ def main() -> None:
     torch.set_num_threads(1)
     tmp = Path(tempfile.mkdtemp(prefix="hookline-bench-", dir=args.dir))
     try:
-        bench_overhead(tmp, 10 if args.quick else 40)
-        bench_throughput(tmp, 50 if args.quick else 400)
+        bench_overhead(tmp, 5 if args.quick else 25)
+        bench_throughput(tmp, 30 if args.quick else 120, 1 if args.quick else 3)
     finally:
         shutil.rmtree(tmp)
     print(f"peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MB")
