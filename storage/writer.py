@@ -389,6 +389,29 @@ class RunWriter:
             self._queue.append(("handle", h))
             self._cond.notify_all()
 
+    def update_handle_meta(self, handle_id: str, meta: Mapping[str, Any]) -> None:
+        """Merge keys into a declared handle's metadata (e.g. fields discovered while recording).
+
+        The manifest carries the merged metadata from the next flush/close on, and so do the
+        attributes of files the writer creates afterwards; the manifest is authoritative.
+
+        Raises:
+            UnknownNameError: the handle was not declared with :meth:`add_handle`.
+            HookTypeError: ``meta`` is not JSON-serialisable.
+        """
+        self._check_open()
+        with self._cond:
+            h = self._handles.get(handle_id)
+            if h is None:
+                raise UnknownNameError(
+                    f"unknown handle {handle_id!r}: call add_handle() first (known: {sorted(self._handles)[:20]})")
+            merged = {**h.info["meta"], **dict(meta)}
+            try:
+                json.dumps(merged)
+            except (TypeError, ValueError) as e:
+                raise HookTypeError(f"meta of handle {handle_id!r} is not JSON-serialisable: {e}") from None
+            h.info["meta"] = merged
+
     # --- hot path -----------------------------------------------------------------------------------
     def write(self, handle_id: str, step: int, call: int, fields: Mapping[str, FieldValue]) -> bool:
         """Queue one record; returns in microseconds, never touches HDF5 on the calling thread.

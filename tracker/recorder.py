@@ -342,7 +342,10 @@ class Recorder:
         hid = binding.handle_id
         if skipped:
             known = self._skipped[hid]
-            known.extend(p for p in skipped if p not in known)
+            fresh = [p for p in skipped if p not in known]
+            if fresh:  # rare: the first firings of a handle; recorded in the manifest
+                known.extend(fresh)
+                self._writer.update_handle_meta(hid, {"skipped_fields": list(known)})
         self._copier.submit((hid, step, call, names, hook.options.mode), tensors)
         self._hook_seconds[hid] += (time.perf_counter_ns() - t0) * 1e-9
 
@@ -406,17 +409,25 @@ class Recorder:
         if self._closed:
             return self.summary()
         atexit.unregister(self._atexit)
+        failure: BaseException | None = None
         try:
             self._copier.drain()
-        finally:
-            self._closed = True
-            # The recorder's hooks are useless once it is closed: remove them from their managers
-            # so later forwards of the model neither pay for them nor fail.
-            for _, b in list(self._bindings):
-                b.handle.remove()
+        except BaseException as e:  # noqa: BLE001 - re-raised below, after the collective
+            failure = e
+        self._closed = True
+        # The recorder's hooks are useless once it is closed: remove them from their managers
+        # so later forwards of the model neither pay for them nor fail.
+        for _, b in list(self._bindings):
+            b.handle.remove()
+        try:
             self._writer.close()
+        except BaseException as e:  # noqa: BLE001
+            failure = failure or e
         # Every rank must have recorded the same handles (checked after the files are complete).
+        # The check is a collective: it runs even when this rank failed, so no rank hangs.
         check_same_handles(self._dist, list(self._hook_seconds))
+        if failure is not None:
+            raise failure
         summary = self.summary()
         if self._mlflow is not None:
             self._mlflow.submit(self.run_dir)

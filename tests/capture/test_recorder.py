@@ -194,6 +194,7 @@ def test_transformer_encoder_tuple_with_none_weight(tmp_path):
     assert h["outputs.0"].shape == (3, 7, 16)
     assert "outputs.1" not in h.fields  # need_weights=False inside the encoder -> None weight
     assert "outputs.1" in summary.handles["outputs[layers.0.self_attn]"].skipped_fields
+    assert "outputs.1" in h.meta["skipped_fields"]  # listed in the run's metadata too
     assert run["grads[layers.1.self_attn]"]["grad_out.0"][0].shape == (3, 7, 16)
 
 
@@ -360,8 +361,10 @@ def test_stats_mode_matches_numpy_on_full_tensors(tmp_path):
     np.testing.assert_array_equal(h.meta["hist_edges"], np.linspace(-8, 8, 65))
     np.testing.assert_allclose(h["outputs.0.norm"][0], np.linalg.norm(y), rtol=1e-12)
     np.testing.assert_allclose(h["outputs.0.std"][0], y.std(), rtol=1e-12)
-    assert h["outputs.0.min"][0] == 0.0 and h["outputs.0.max"][0] == y.max()
-    assert h["outputs.0.hist"][0].sum() == y.size
+    np.testing.assert_allclose(h["outputs.0.mean"][0], y.mean(), rtol=1e-12)
+    assert h["outputs.0.min"][0] == 0.0 and h["outputs.0.max"][0] == y.max() == h["outputs.0.absmax"][0]
+    counts, _ = np.histogram(np.clip(y, -8, 8), bins=np.linspace(-8, 8, 65))
+    np.testing.assert_array_equal(h["outputs.0.hist"][0], counts)
 
 
 def test_recording_outside_a_step_is_a_clear_error(tmp_path):
@@ -442,3 +445,35 @@ def test_drop_policy_counts_every_dropped_record(tmp_path, monkeypatch):
     assert h.dropped > 0 and h.records + h.dropped == 40
     assert "DROPPED" in str(summary)
     assert len(open_run(tmp_path / "run")["outputs[lin]"].steps) == h.records
+
+
+def test_write_error_surfaces_at_next_step_and_keeps_flushed(tmp_path, monkeypatch):
+    import errno
+
+    from hookline.storage import StorageError
+    from hookline.storage import _h5file
+
+    model = nn.Linear(4, 8)
+    mgr = HookManager()
+    rec = Recorder(tmp_path / "run", max_buffer_mb=1)
+    mgr.register_forward_hook(rec.outputs, lin=model)
+    for step in range(3):
+        with rec.step(step):
+            model(torch.randn(2, 4))
+    rec.flush()
+
+    def failing(self, block):
+        raise OSError(errno.ENOSPC, "No space left on device (simulated)")
+
+    monkeypatch.setattr(_h5file._FieldOut, "append", failing)
+    with rec.step(3):
+        model(torch.randn(2, 4))
+    with pytest.raises(StorageError, match="28|space"):
+        rec.flush()
+    with pytest.raises(StorageError):
+        rec.set_step(4)  # reported again at the next step, never silently
+    with pytest.raises(StorageError):
+        rec.close()
+    assert not model._forward_hooks  # close still removed the hooks
+    monkeypatch.undo()
+    assert list(open_run(tmp_path / "run")["outputs[lin]"].steps) == [0, 1, 2]
