@@ -19,6 +19,7 @@ __all__ = [
     "HookTypeError",
     "HookOutputError",
     "HookFunctionError",
+    "RecordIndexError",
     "StorageError",
     "WriterClosedError",
     "FormatError",
@@ -56,6 +57,10 @@ class HookOutputError(HooklineError, ValueError):
 
 class HookFunctionError(HooklineError, RuntimeError):
     """A user hook raised; the message names the hook handle, ``__cause__`` is the original."""
+
+
+class RecordIndexError(HooklineError, IndexError):
+    """A record index outside a field's records."""
 
 
 class StorageError(HooklineError, OSError):

@@ -29,7 +29,7 @@ import numpy as np
 from . import dtypes
 from ._h5file import Part, PartField, open_part
 from ._segments import Discovery, discover_files
-from .errors import FormatError, InvalidArgumentError, StorageError, UnknownNameError
+from .errors import FormatError, HookTypeError, InvalidArgumentError, RecordIndexError, StorageError, UnknownNameError
 from .format import RUN_FORMAT, FORMAT_VERSION, check_manifest, rank_suffix, read_manifest
 
 __all__ = ["open_run", "Run", "Handle", "Field", "LocalSource"]
@@ -429,7 +429,9 @@ class Field:
         if ii < 0:
             ii += n
         if not 0 <= ii < n:
-            raise IndexError(f"record {i} out of range for field {self.name!r} with {n} records")
+            raise RecordIndexError(
+                f"record {i!r} out of range for field {self.name!r} of {self.handle.id!r}, which has {n} "
+                f"records (valid: 0..{n - 1}, or negative from the end)")
         s = int(np.searchsorted(self._cum, ii, side="right")) - 1
         return s, ii - int(self._cum[s])
 
@@ -476,8 +478,24 @@ class Field:
         return np.stack(recs)
 
     def at_step(self, step: int) -> np.ndarray | list[np.ndarray]:
-        """The entries recorded at ``step`` (all calls, all ranks), stacked (a list if ragged)."""
-        return self._gather(self.step_indices(step))
+        """The records of ``step`` (all calls, all ranks), stacked (a list if ragged).
+
+        Raises:
+            InvalidArgumentError: ``step`` is not an int.
+            UnknownNameError: the handle recorded nothing at ``step`` (the message lists what it
+                did record). A step the handle recorded without this field gives zero rows.
+        """
+        if isinstance(step, bool) or not isinstance(step, (int, np.integer)):
+            raise InvalidArgumentError(f"step must be an int, got {step!r}")
+        idx = self.step_indices(step)
+        if idx.size == 0 and not np.any(self.handle.steps == step):
+            # (a step the handle recorded without this field, e.g. a None gradient, gives 0 rows)
+            steps = np.unique(self.handle.steps)
+            shown = ", ".join(map(str, steps[:20])) + (" ..." if steps.size > 20 else "")
+            raise UnknownNameError(
+                f"field {self.name!r} of {self.handle.id!r} has no record at step {step!r}; "
+                f"recorded steps: {shown or 'none'}")
+        return self._gather(idx)
 
     def norms(self) -> np.ndarray:
         """float64 L2 norm of every entry (stored by the writer for float/complex fields; computed
@@ -523,6 +541,10 @@ def open_run(path_or_uri: str | os.PathLike[str], *, tracking_uri: str | None = 
         >>> run = open_run("runs/baseline")
         >>> x = run["outputs[blocks.0]"]["outputs.0"][3]     # one record, numpy
     """
+    if not isinstance(path_or_uri, (str, bytes, os.PathLike)):
+        raise HookTypeError(
+            f"open_run() needs a run directory path or an MLflow URI such as 'runs:/<id>', got "
+            f"{type(path_or_uri).__name__} {path_or_uri!r:.80}")
     s = os.fspath(path_or_uri)
     if isinstance(s, bytes):
         s = s.decode()

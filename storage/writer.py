@@ -442,6 +442,9 @@ class RunWriter:
                 f"unknown handle {handle_id!r}: call add_handle() first (known: {sorted(self._handles)[:20]})")
         step = int(operator.index(step))
         call = int(operator.index(call))
+        if step < 0 or call < 0:
+            raise InvalidArgumentError(
+                f"step and call must be non-negative ints, got step={step!r}, call={call!r} for {handle_id!r}")
         if type(fields) is not dict and not isinstance(fields, Mapping):
             raise HookTypeError(f"fields must be a mapping of field name -> array, got {type(fields).__name__}")
         norm_fields: dict[str, tuple[np.ndarray, str]] = {}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 import threading
 import time
 import weakref
@@ -15,7 +16,7 @@ from typing import Any, Iterable, Iterator
 import numpy as np
 import torch
 
-from hookline.storage.errors import InvalidArgumentError, WriterClosedError
+from hookline.storage.errors import HookTypeError, InvalidArgumentError, WriterClosedError
 from hookline.storage.writer import RunWriter, WriterStats
 
 from .capture import CaptureHook, CaptureOptions, _Binding, field_tensors
@@ -139,6 +140,11 @@ class Recorder:
         meta: dict[str, Any] | None = None,
         stats: StatsSpec | None = None,
     ) -> None:
+        if not isinstance(run_dir, (str, os.PathLike)):
+            raise HookTypeError(
+                f"Recorder needs a run directory path (str or os.PathLike), got "
+                f"{type(run_dir).__name__} {run_dir!r:.80}; e.g. Recorder('runs/baseline')"
+            )
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise InvalidArgumentError(f"every must be a positive int (record every N-th step), got {every!r}")
         if steps is not None:

@@ -16,6 +16,7 @@ BUILTIN = {
     "StorageError": OSError,
     "WriterClosedError": ValueError,
     "FormatError": ValueError,
+    "RecordIndexError": IndexError,
     "TrackingError": RuntimeError,
 }
 

@@ -162,5 +162,6 @@ def test_at_step_with_several_calls_and_unsorted_steps(run_dir):
     f = open_run(run_dir)[HID]["outputs.0"]
     assert f.at_step(3)[:, 0].tolist() == [0.0, 1.0, 3.0]
     assert f.at_step(1)[:, 0].tolist() == [2.0, 5.0]
-    assert f.at_step(7).shape == (0, 2)
+    with pytest.raises(UnknownNameError, match="step 7"):
+        f.at_step(7)  # nothing recorded at step 7: a clear error, not an empty array
     assert f.calls.tolist() == [c for _, c in order]
