@@ -111,12 +111,18 @@ def render_problems(results: Sequence[Any]) -> None:
               help="Metric(s) to show and plot (default: all three). Repeatable.")
 @click.option("--plot", "plot", type=click.Path(dir_okay=False, writable=True), metavar="PNG",
               help="Write a plot: one panel per handle (at most 24), metric over steps.")
+@click.option("--rank", "rank", type=click.IntRange(min=0), default=None, metavar="R",
+              help="Distributed runs: compare only rank R of both runs.")
+@click.option("--rank-a", "rank_a", type=click.IntRange(min=0), default=None, metavar="R",
+              help="Distributed runs: use only rank R of RUN_A (overrides --rank).")
+@click.option("--rank-b", "rank_b", type=click.IntRange(min=0), default=None, metavar="R",
+              help="Distributed runs: use only rank R of RUN_B (overrides --rank).")
 @json_option
 @quiet_option
 @tracking_uri_option
 def compare(run_a: str, run_b: str, handles: tuple[str, ...], fields: tuple[str, ...],
-            metrics: tuple[str, ...], plot: str | None, as_json: bool, quiet: bool,
-            tracking_uri: str | None) -> None:
+            metrics: tuple[str, ...], plot: str | None, rank: int | None, rank_a: int | None,
+            rank_b: int | None, as_json: bool, quiet: bool, tracking_uri: str | None) -> None:
     """Compare two runs per handle, field and common step.
 
     For every (step, call) recorded in both runs, with a = RUN_A's record and b = RUN_B's:
@@ -126,12 +132,15 @@ def compare(run_a: str, run_b: str, handles: tuple[str, ...], fields: tuple[str,
     step. Handles or fields present in only one run, differing shapes, runs without common
     steps and unreadable files are reported in the table (exit code 0). Streams: runs larger
     than memory compare fine. RUN is a run directory, runs:/<id>, or an MLflow run id.
+    Distributed runs pair records on (step, call, rank); --rank / --rank-a / --rank-b compare
+    chosen ranks instead (e.g. rank 0 against rank 1 of the same run).
 
     \b
     Example:
       hookline compare runs/lr0.01 runs/lr0.1
       hookline compare runs/a runs/b --handle 'grads[*]' --field grad_out.0 --plot cmp.png
       hookline compare runs:/0a1b... runs:/9f8e... --metric cosine --json
+      hookline compare runs/ddp runs/ddp --rank-a 0 --rank-b 1
     """
     from hookline.storage.compare import CompareResult, count_pairs, iter_compare
 
@@ -142,7 +151,9 @@ def compare(run_a: str, run_b: str, handles: tuple[str, ...], fields: tuple[str,
     fsel = list(fields) or None
     total = count_pairs(ra, rb, handles=hsel, fields=fsel)
     with progress_bar("comparing", total, quiet=quiet or as_json) as advance:
-        results = list(iter_compare(ra, rb, handles=hsel, fields=fsel, metrics=ms, progress=advance))
+        results = list(iter_compare(ra, rb, handles=hsel, fields=fsel, metrics=ms, progress=advance,
+                                    rank_a=rank if rank_a is None else rank_a,
+                                    rank_b=rank if rank_b is None else rank_b))
     res = CompareResult(run_a, run_b, ms, results)
     if plot:
         from .plot import plot_comparison

@@ -83,6 +83,8 @@ def handle_info(run: Any, hid: str) -> dict[str, Any]:
             "records": len(f),
         })
     steps = _steps(h)
+    record_ranks = np.asarray(getattr(h, "ranks", ()), np.int64)
+    ranks = sorted(int(r) for r in np.unique(record_ranks) if r >= 0) or None
     from hookline.storage.compare import damage_note
 
     return {
@@ -93,6 +95,7 @@ def handle_info(run: Any, hid: str) -> dict[str, Any]:
         "records": int(len(steps)),
         "steps": [int(steps.min()), int(steps.max())] if steps.size else None,
         "n_steps": int(np.unique(steps).size),
+        "ranks": ranks,
         "bytes": handle_bytes(h),
         "fields": fields,
         "warning": damage_note(h),
@@ -242,7 +245,10 @@ def _steps_text(i: dict) -> str:
     if not i["steps"]:
         return "-"
     a, b = i["steps"]
-    return str(a) if a == b else f"{a}..{b} ({i['n_steps']})"
+    text = str(a) if a == b else f"{a}..{b} ({i['n_steps']})"
+    if i.get("ranks"):
+        text += f", ranks {','.join(map(str, i['ranks']))}"
+    return text
 
 
 def _print_handle(run: str, info: dict) -> None:

@@ -373,10 +373,13 @@ def compare_fields(
     metrics: Iterable[str] | str | None = None,
     block_bytes: int = BLOCK_BYTES,
     progress: Callable[[int], None] | None = None,
+    pair_ranks: bool = True,
 ) -> FieldComparison:
     """Compare one field of two handles (reader ``Handle`` objects), streaming.
 
-    ``progress(n)`` is called with the number of record pairs just processed.
+    ``progress(n)`` is called with the number of record pairs just processed. With
+    ``pair_ranks=False`` records are paired on ``(step, call)`` only (used when one chosen rank
+    of each run is compared, e.g. rank 0 of A against rank 1 of B).
     """
     ms = _check_metrics(metrics)
     fa, fb = handle_a[field], handle_b[field]
@@ -386,7 +389,8 @@ def compare_fields(
     )
     sa, ca = _field_index(handle_a, fa)
     sb, cb = _field_index(handle_b, fb)
-    ra, rb = _field_ranks(handle_a, fa, len(sa)), _field_ranks(handle_b, fb, len(sb))
+    ra = _field_ranks(handle_a, fa, len(sa)) if pair_ranks else None
+    rb = _field_ranks(handle_b, fb, len(sb)) if pair_ranks else None
     steps, calls, ranks, ia, ib, res.only_a, res.only_b = _pairs(sa, ca, sb, cb, ra, rb)
     res.steps, res.calls = steps, calls
     res.ranks = ranks if (ranks >= 0).any() else None
@@ -593,6 +597,8 @@ def iter_compare(
     tracking_uri: str | None = None,
     block_bytes: int = BLOCK_BYTES,
     progress: Callable[[int], None] | None = None,
+    rank_a: int | None = None,
+    rank_b: int | None = None,
 ) -> Iterator[FieldComparison]:
     """Like :func:`compare_runs` but yields one :class:`FieldComparison` at a time."""
     ms = _check_metrics(metrics)
@@ -619,11 +625,28 @@ def iter_compare(
                 message=f"field {f!r} of handle {h!r} is not in run {other}",
             )
             continue
-        res = compare_fields(ra[h], rb[h], f, handle_id=h, metrics=ms, block_bytes=block_bytes, progress=progress)
+        ha = ra[h] if rank_a is None else _rank_handle(ra, h, rank_a, "A", ms)
+        hb = rb[h] if rank_b is None else _rank_handle(rb, h, rank_b, "B", ms)
+        if isinstance(ha, FieldComparison) or isinstance(hb, FieldComparison):
+            yield ha if isinstance(ha, FieldComparison) else hb  # type: ignore[misc]
+            continue
+        res = compare_fields(ha, hb, f, handle_id=h, metrics=ms, block_bytes=block_bytes, progress=progress,
+                             pair_ranks=rank_a is None and rank_b is None)
         notes = [n for n in (damage_note(ra[h], "A"), damage_note(rb[h], "B")) if n]
         if notes:
             res.message = "; ".join(([res.message] if res.message else []) + notes)
         yield res
+
+
+def _rank_handle(run: Any, h: str, rank: int, which: str, ms: tuple[str, ...]) -> Any:
+    """One rank of a handle, or a ``missing_in_<which>`` result when that rank has no data."""
+    from .errors import UnknownNameError
+
+    try:
+        return run.handle(h, rank=rank)
+    except UnknownNameError as e:
+        return FieldComparison(h, None, status=f"missing_in_{which.lower()}", values={m: np.zeros(0) for m in ms},
+                               message=f"run {which}: {e}")
 
 
 def count_pairs(run_a: Any, run_b: Any, *, handles=None, fields=None, tracking_uri: str | None = None) -> int:
@@ -646,6 +669,8 @@ def compare_runs(
     tracking_uri: str | None = None,
     block_bytes: int = BLOCK_BYTES,
     progress: Callable[[int], None] | None = None,
+    rank_a: int | None = None,
+    rank_b: int | None = None,
 ) -> CompareResult:
     """Compare two runs handle by handle, field by field, on their common ``(step, call)`` pairs.
 
@@ -658,6 +683,9 @@ def compare_runs(
         tracking_uri: MLflow tracking URI for ``runs:/`` sources.
         block_bytes: read-block budget per run (float64 bytes); bounds memory.
         progress: called with the number of record pairs processed after every block.
+        rank_a, rank_b: compare only this rank of run A / run B (records then pair on
+            ``(step, call)``, so rank 0 of A can be compared with rank 1 of B). Default: all
+            ranks, paired on ``(step, call, rank)``.
 
     Returns:
         A :class:`CompareResult`; problems are results with a non-``"ok"`` status.
@@ -668,6 +696,7 @@ def compare_runs(
     ms = _check_metrics(metrics)
     ra, rb = _open(run_a, tracking_uri), _open(run_b, tracking_uri)
     results = list(
-        iter_compare(ra, rb, handles=handles, fields=fields, metrics=ms, block_bytes=block_bytes, progress=progress)
+        iter_compare(ra, rb, handles=handles, fields=fields, metrics=ms, block_bytes=block_bytes, progress=progress,
+                     rank_a=rank_a, rank_b=rank_b)
     )
     return CompareResult(_run_name(ra, run_a), _run_name(rb, run_b), ms, results)

@@ -36,8 +36,11 @@ def train(rank: int, world: int, init_file: str, run_dir: str, uri: str | None, 
         if rank == extra_handle_on_rank:
             mgr.register_forward_hook(rec.inputs, relu=model[1])
         seen: dict[str, list] = {n: [] for n in linears}
+        seen_grad: dict[str, list] = {n: [] for n in linears}
         for n, m in linears.items():
             m.register_forward_hook(lambda m, i, o, n=n: seen[n].append(o.detach().clone()))
+            # torch's own full backward hook as the reference for grad_out (no in-place ops here)
+            m.register_full_backward_hook(lambda m, gi, go, n=n: seen_grad[n].append(go[0].detach().clone()))
         opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
         g = torch.Generator().manual_seed(100 + rank)  # each rank its own data
         for step in range(3):
@@ -48,6 +51,7 @@ def train(rank: int, world: int, init_file: str, run_dir: str, uri: str | None, 
             opt.step()
         result["run_id"] = rec.mlflow_run_id
         result["seen"] = seen
+        result["seen_grad"] = seen_grad
         rec.close()
     except Exception as e:  # reported to the parent test through the result file
         result["error"] = f"{type(e).__name__}: {e}"

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
+import pytest
 import torch
 import torch.multiprocessing as mp
 from click.testing import CliRunner
@@ -38,6 +41,10 @@ def test_ddp_two_ranks_one_run(tmp_path, mlflow_server):
             assert list(f.steps) == [0, 1, 2]
             for i, t in enumerate(results[r]["seen"][name]):
                 np.testing.assert_array_equal(f[i], t.numpy())
+            g = run.handle(f"grads[{name}]", rank=r)["grad_out.0"]
+            assert len(results[r]["seen_grad"][name]) == len(g) == 3
+            for i, t in enumerate(results[r]["seen_grad"][name]):  # local (not all-reduced) grads
+                np.testing.assert_array_equal(g[i], t.numpy())
     merged = run["outputs[0]"]
     assert sorted(merged.ranks.tolist()) == [0, 0, 0, 1, 1, 1]
     # the ranks saw different data, so their records differ
@@ -52,9 +59,25 @@ def test_ddp_two_ranks_one_run(tmp_path, mlflow_server):
     np.testing.assert_array_equal(remote.handle("outputs[2]", rank=1)["outputs.0"].read(),
                                   run.handle("outputs[2]", rank=1)["outputs.0"].read())
 
-    res = CliRunner().invoke(cli, ["show", str(tmp_path / "run")])
+    res = CliRunner().invoke(cli, ["show", str(tmp_path / "run"), "--json"])
     assert res.exit_code == 0, res.output
-    assert "outputs[0]" in res.output
+    shown = {h["handle"]: h for h in json.loads(res.output)["handles"]}
+    assert shown["outputs[0]"]["ranks"] == [0, 1] and shown["outputs[0]"]["records"] == 6
+
+    # rank 0 against rank 1 of the same run: they saw different data
+    res = CliRunner().invoke(cli, ["compare", str(tmp_path / "run"), str(tmp_path / "run"),
+                                   "--rank-a", "0", "--rank-b", "1", "--handle", "outputs[0]", "--json"])
+    assert res.exit_code == 0, res.output
+    (cmp,) = json.loads(res.output)["results"]
+    assert cmp["status"] == "ok" and cmp["steps"] == [0, 1, 2]
+    a0 = run.handle("outputs[0]", rank=0)["outputs.0"].read().reshape(3, -1).astype(np.float64)
+    a1 = run.handle("outputs[0]", rank=1)["outputs.0"].read().reshape(3, -1).astype(np.float64)
+    cos = (a0 * a1).sum(1) / np.linalg.norm(a0, axis=1) / np.linalg.norm(a1, axis=1)
+    np.testing.assert_allclose(cmp["cosine"], cos, rtol=1e-9)
+    # the whole run against itself pairs (step, call, rank): identical
+    res = CliRunner().invoke(cli, ["compare", str(tmp_path / "run"), str(tmp_path / "run"), "--json"])
+    assert all(r["status"] == "ok" and all(c == pytest.approx(1.0) for c in r["cosine"])
+               for r in json.loads(res.output)["results"])
 
 
 def test_ranks_with_different_handles_fail_clearly_without_hanging(tmp_path):
