@@ -14,7 +14,7 @@ from hookline.tracker import HookManager, Recorder, select
 
 
 def train(rank: int, world: int, init_file: str, run_dir: str, uri: str | None, out_dir: str,
-          extra_handle_on_rank: int = -1) -> None:
+          extra_handle_on_rank: int = -1, run_ids: tuple | None = None) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     result: dict = {"rank": rank}
     try:
@@ -27,6 +27,8 @@ def train(rank: int, world: int, init_file: str, run_dir: str, uri: str | None, 
 
             client = MlflowClient(uri)
             run_id = client.create_run(client.create_experiment(f"ddp-{Path(run_dir).name}")).info.run_id
+        if run_ids is not None:  # each rank passes its own (possibly conflicting) id
+            run_id = run_ids[rank]
         mgr = HookManager()
         rec = Recorder(run_dir, every=1, mlflow_run_id=run_id, tracking_uri=uri)
         linears = select(ddp, "*", types=nn.Linear)  # names without DDP's "module." prefix

@@ -16,10 +16,11 @@ from hookline.cli.main import cli
 from hookline.storage import open_run
 
 
-def _spawn(tmp_path, uri, extra_handle_on_rank=-1):
+def _spawn(tmp_path, uri, extra_handle_on_rank=-1, run_ids=None):
     out = tmp_path / "out"
     out.mkdir()
-    mp.spawn(train, args=(2, str(tmp_path / "init"), str(tmp_path / "run"), uri, str(out), extra_handle_on_rank),
+    mp.spawn(train, args=(2, str(tmp_path / "init"), str(tmp_path / "run"), uri, str(out), extra_handle_on_rank,
+                          run_ids),
              nprocs=2, join=True)
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
 
@@ -87,3 +88,11 @@ def test_ranks_with_different_handles_fail_clearly_without_hanging(tmp_path):
         assert "inputs[relu]" in r["error"]
     # each rank's files are complete all the same
     assert open_run(tmp_path / "run").ranks == [0, 1]
+
+
+def test_ranks_with_different_mlflow_run_ids_fail_clearly(tmp_path):
+    a, b = "a" * 32, "b" * 32
+    results = _spawn(tmp_path, None, run_ids=(a, b))
+    for r in results:  # raised on every rank, right at construction, no hang
+        assert "ranks disagree on mlflow_run_id" in r.get("error", ""), r
+        assert a in r["error"] and b in r["error"]
