@@ -20,7 +20,7 @@ from hookline.storage.errors import HookTypeError, InvalidArgumentError, WriterC
 from hookline.storage.writer import RunWriter, WriterStats
 
 from .capture import CaptureHook, CaptureOptions, _Binding, field_tensors
-from .convert import DeviceCopier, to_field
+from .convert import BufferPool, DeviceCopier, to_field
 from .distributed import broadcast_run_id, check_same_handles, detect
 from .stats import SCALAR_STATS, StatsSpec, split_stats
 
@@ -191,7 +191,9 @@ class Recorder:
         self._bindings: list[tuple[CaptureHook, _Binding]] = []
         self._hook_seconds: dict[str, float] = {}
         self._skipped: dict[str, list[str]] = {}
-        self._copier = DeviceCopier(self._deliver)
+        # Reuse host buffers (warm pages) for tensor captures; bounded by the memory budget.
+        self._pool = BufferPool(max_bytes=int(min(max_buffer_mb, 256) * 2**20))
+        self._copier = DeviceCopier(self._deliver, pool=self._pool)
         self.inputs = CaptureHook(self, CaptureOptions("inputs"))
         self.outputs = CaptureHook(self, CaptureOptions("outputs"))
         self.grads = CaptureHook(self, CaptureOptions("grads"))
@@ -362,8 +364,17 @@ class Recorder:
             for name, t in zip(names, host):
                 fields.update(split_stats(name, t.numpy()))
         else:
+            give = self._pool.give
             for name, t in zip(names, host):
-                fields[name] = to_field(t)
+                value = to_field(t)
+                # Back to the pool once the writer dropped every numpy view of the buffer: all
+                # views chain to the array whose base is the tensor (numpy collapses view bases
+                # to it), so its finalizer runs only after the last view is gone.
+                owner = value[0] if isinstance(value, tuple) else value
+                while isinstance(owner.base, np.ndarray):
+                    owner = owner.base
+                weakref.finalize(owner, give, t)
+                fields[name] = value
         self._writer.write(handle_id, step, call, fields)  # drops are counted by the writer
 
     # --- lifecycle --------------------------------------------------------------------------

@@ -79,3 +79,39 @@ def test_pending_device_copies_are_delivered_in_order_when_events_complete():
     copier.drain()
     assert got == [0, 1, 2] and copier.pending == 0
     assert events[1].synced and events[2].synced  # drain waited on the events it needed
+
+
+def test_buffer_pool_reuses_only_buffers_nobody_reads():
+    import gc
+    import weakref
+
+    from hookline.tracker.convert import BufferPool, fresh_copy
+
+    pool = BufferPool(max_bytes=1 << 20)
+    a = fresh_copy(torch.ones(8), pool)
+    arr = a.numpy()
+    view = arr.reshape(2, 4)[1:]  # a view the "writer" still holds
+    del arr
+    owner = view
+    while isinstance(owner.base, np.ndarray):
+        owner = owner.base
+    weakref.finalize(owner, pool.give, a)
+    gc.collect()
+    b = fresh_copy(torch.zeros(8), pool)
+    assert pool.reused == 0 and b.data_ptr() != a.data_ptr()  # the view keeps the buffer busy
+    assert view.sum() == 4  # untouched
+    del view, owner
+    gc.collect()
+    c = fresh_copy(torch.full((8,), 2.0), pool)
+    assert pool.reused == 1 and c.data_ptr() == a.data_ptr() and torch.equal(c, torch.full((8,), 2.0))
+
+
+def test_buffer_pool_is_bounded():
+    from hookline.tracker.convert import BufferPool
+
+    pool = BufferPool(max_bytes=64)
+    pool.give(torch.empty(8, dtype=torch.float64))  # 64 bytes: kept
+    pool.give(torch.empty(8, dtype=torch.float64))  # over the bound: dropped
+    assert pool.take(torch.Size([8]), torch.float64) is not None and pool.reused == 1
+    pool.take(torch.Size([8]), torch.float64)
+    assert pool.reused == 1
