@@ -144,16 +144,18 @@ class CaptureHook:
 
 def field_tensors(
     groups: tuple[tuple[str, Any], ...], options: CaptureOptions
-) -> tuple[list[str], list[torch.Tensor], list[str]]:
+) -> tuple[list[str], list[torch.Tensor], list[bool], list[str]]:
     """Name, slice and cast the tensors of one firing.
 
     Returns:
-        ``(names, tensors, skipped)``: field names (``outputs.0``, ``grad_in.1``...), the tensors to
-        copy (stats mode: one packed stats tensor per field), and the paths of non-tensor leaves
-        and ``None`` gradients that were not recorded.
+        ``(names, tensors, fresh, skipped)``: field names (``outputs.0``, ``grad_in.1``...), the
+        tensors to copy (stats mode: one packed stats tensor per field), whether each tensor is a
+        new result nobody else holds (a cast or stats: no private copy needed on CPU), and the
+        paths of non-tensor leaves and ``None`` gradients that were not recorded.
     """
     names: list[str] = []
     tensors: list[torch.Tensor] = []
+    fresh: list[bool] = []
     skipped: list[str] = []
     for prefix, leaves in groups:
         paths = getattr(leaves, "paths", None) or tuple(str(i) for i in range(len(leaves)))
@@ -166,10 +168,12 @@ def field_tensors(
             if options.batch_slice is not None and t.dim() > 0:
                 t = t[: options.batch_slice]
             t = t.detach()
+            new = False
             if options.dtype is not None and t.is_floating_point() and t.dtype != options.dtype:
-                t = t.to(options.dtype)
+                t, new = t.to(options.dtype), True
             if options.mode == "stats":
-                t = compute_stats(t, options.stats or StatsSpec())
+                t, new = compute_stats(t, options.stats or StatsSpec()), True
             names.append(name)
             tensors.append(t)
-    return names, tensors, skipped
+            fresh.append(new)
+    return names, tensors, fresh, skipped

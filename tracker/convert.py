@@ -129,17 +129,26 @@ class DeviceCopier:
         """Number of records whose device copies have not been delivered yet."""
         return len(self._pending)
 
-    def submit(self, payload: Any, tensors: list[torch.Tensor]) -> None:
-        """Copy ``tensors`` to host memory and deliver them with ``payload`` when ready."""
+    def submit(self, payload: Any, tensors: list[torch.Tensor], fresh: list[bool] | None = None) -> None:
+        """Copy ``tensors`` to host memory and deliver them with ``payload`` when ready.
+
+        ``fresh[i]`` marks a CPU tensor that is already a private result (e.g. a dtype cast):
+        it is handed on without another copy when contiguous.
+        """
         pool = self.pool
+        fresh = fresh or [False] * len(tensors)
+
+        def host_copy(t: torch.Tensor, new: bool) -> torch.Tensor:
+            return t if new and t.is_contiguous() else fresh_copy(t, pool)
+
         if not any(t.device.type != "cpu" for t in tensors):
             self._poll()
-            self._deliver(payload, [fresh_copy(t, pool) for t in tensors])
+            self._deliver(payload, [host_copy(t, new) for t, new in zip(tensors, fresh)])
             return
         host = []
-        for t in tensors:
+        for t, new in zip(tensors, fresh):
             if t.device.type == "cpu":
-                host.append(fresh_copy(t, pool))
+                host.append(host_copy(t, new))
             else:
                 buf = pool.take(t.shape, t.dtype, pin=True) if pool else torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
                 buf.copy_(t, non_blocking=True)

@@ -346,7 +346,7 @@ class Recorder:
             binding.step, binding.calls = step, 0
         call = binding.calls
         binding.calls += 1
-        names, tensors, skipped = field_tensors(groups, hook.options)
+        names, tensors, fresh, skipped = field_tensors(groups, hook.options)
         hid = binding.handle_id
         if skipped:
             known = self._skipped[hid]
@@ -354,7 +354,7 @@ class Recorder:
             if fresh:  # rare: the first firings of a handle; recorded in the manifest
                 known.extend(fresh)
                 self._writer.update_handle_meta(hid, {"skipped_fields": list(known)})
-        self._copier.submit((hid, step, call, names, hook.options.mode), tensors)
+        self._copier.submit((hid, step, call, names, hook.options.mode), tensors, fresh)
         self._hook_seconds[hid] += (time.perf_counter_ns() - t0) * 1e-9
 
     def _deliver(self, payload: tuple, host: list[torch.Tensor]) -> None:

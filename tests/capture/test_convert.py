@@ -115,3 +115,15 @@ def test_buffer_pool_is_bounded():
     assert pool.take(torch.Size([8]), torch.float64) is not None and pool.reused == 1
     pool.take(torch.Size([8]), torch.float64)
     assert pool.reused == 1
+
+
+def test_fresh_contiguous_results_are_not_copied_again():
+    got = []
+    copier = DeviceCopier(lambda payload, host: got.extend(host))
+    cast = torch.ones(4, 4).to(torch.bfloat16)
+    view = torch.ones(4, 4)[:, :2]  # not contiguous: always copied
+    shared = torch.ones(3)
+    copier.submit("p", [cast, view, shared], [True, True, False])
+    assert got[0] is cast
+    assert got[1] is not view and got[1].is_contiguous() and torch.equal(got[1], view)
+    assert got[2] is not shared and got[2].data_ptr() != shared.data_ptr()

@@ -60,4 +60,7 @@ def train(rank: int, world: int, init_file: str, run_dir: str, uri: str | None, 
         result["traceback"] = traceback.format_exc()
     finally:
         torch.save(result, Path(out_dir) / f"rank{rank}.pt")
+        # Leave together: a rank tearing gloo down while its peer is still in a collective can
+        # abort the peer ("terminate called without an active exception").
+        dist.barrier()
         dist.destroy_process_group()
