@@ -136,7 +136,10 @@ class DeviceCopier:
         it is handed on without another copy when contiguous.
         """
         pool = self.pool
-        fresh = fresh or [False] * len(tensors)
+        if fresh is None:
+            fresh = [False] * len(tensors)
+        elif len(fresh) != len(tensors):
+            raise ValueError(f"fresh flags ({len(fresh)}) must match the tensors ({len(tensors)})")
 
         def host_copy(t: torch.Tensor, new: bool) -> torch.Tensor:
             return t if new and t.is_contiguous() else fresh_copy(t, pool)

@@ -350,9 +350,9 @@ class Recorder:
         hid = binding.handle_id
         if skipped:
             known = self._skipped[hid]
-            fresh = [p for p in skipped if p not in known]
-            if fresh:  # rare: the first firings of a handle; recorded in the manifest
-                known.extend(fresh)
+            unseen = [p for p in skipped if p not in known]
+            if unseen:  # rare: the first firings of a handle; recorded in the manifest
+                known.extend(unseen)
                 self._writer.update_handle_meta(hid, {"skipped_fields": list(known)})
         self._copier.submit((hid, step, call, names, hook.options.mode), tensors, fresh)
         self._hook_seconds[hid] += (time.perf_counter_ns() - t0) * 1e-9
