@@ -931,11 +931,7 @@ class RunWriter:
         w.finish()
         end = seg.start + len(seg.steps)
         final = self.run_dir / segment_name(h.key, h.suffix, seg.start, end)
-        if fsync:
-            fsync_file(seg.partial)
-        os.replace(seg.partial, final)
-        if fsync:
-            fsync_dir(final.parent)
+        _publish(seg.partial, final, fsync)
         h.seg = None
         with self._seg_lock:
             h.sealed.append(_Seg(seg.start, end, final, final.stat().st_size))
@@ -999,17 +995,8 @@ class RunWriter:
                 final.parent.mkdir(parents=True, exist_ok=True)
                 HandleFileWriter(tmp, self._file_attrs(h), 0).finish()
             else:
-                parts = [open_part(p) for p in h.base] + [open_part(s.path) for s in segs]
-                try:
-                    merge_parts(parts, tmp, self._file_attrs(h), self._compression_for)
-                finally:
-                    for p in parts:
-                        p.close()
-            if self.fsync:
-                fsync_file(tmp)
-            os.replace(tmp, final)
-            if self.fsync:
-                fsync_dir(final.parent)
+                self._merge_files(h, [*h.base, *(s.path for s in segs)], tmp)
+            _publish(tmp, final, self.fsync)
             for s in segs:
                 try:
                     os.unlink(s.path)
@@ -1043,21 +1030,21 @@ class RunWriter:
                 self._compact_error = e
                 return
 
+    def _merge_files(self, h: _Handle, paths: list, out: Path, record_start: int = 0) -> None:
+        """Copy the records of the complete files ``paths`` (in order) into the new file ``out``."""
+        parts = [open_part(p) for p in paths]
+        try:
+            merge_parts(parts, out, self._file_attrs(h), self._compression_for, record_start=record_start)
+        finally:
+            for p in parts:
+                p.close()
+
     def _merge_segments(self, h: _Handle, run: list[_Seg]) -> None:
         start, end = run[0].start, run[-1].end
         out = self.run_dir / segment_name(h.key, h.suffix, start, end)
         tmp = out.with_name(out.name + ".partial")
-        parts = [open_part(s.path) for s in run]
-        try:
-            merge_parts(parts, tmp, self._file_attrs(h), self._compression_for, record_start=start)
-        finally:
-            for p in parts:
-                p.close()
-        if self.fsync:
-            fsync_file(tmp)
-        os.replace(tmp, out)
-        if self.fsync:
-            fsync_dir(out.parent)
+        self._merge_files(h, [s.path for s in run], tmp, record_start=start)
+        _publish(tmp, out, self.fsync)
         with self._seg_lock:
             i = h.sealed.index(run[0])
             h.sealed[i : i + len(run)] = [_Seg(start, end, out, out.stat().st_size)]
@@ -1170,6 +1157,15 @@ def _pick_merge(sizes: list[int]) -> tuple[int, int] | None:
         i -= 1
         total += sizes[i]
     return (i, n)
+
+
+def _publish(tmp: Path, final: Path, fsync: bool) -> None:
+    """Make a complete file visible under its final name: (fsync,) atomic rename, (fsync dir)."""
+    if fsync:
+        fsync_file(tmp)
+    os.replace(tmp, final)
+    if fsync:
+        fsync_dir(final.parent)
 
 
 def _row_norms(block: np.ndarray, dn: str) -> list[float]:
