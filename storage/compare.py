@@ -609,21 +609,12 @@ def iter_compare(
             yield FieldComparison(h, None, status="unreadable", values={m: np.zeros(0) for m in ms},
                                   message="; ".join(n for n in notes if n))
             continue
-        if f is None:
+        if f is None or where != "both":  # a handle (f None) or a field present in one run only
             missing = "missing_in_b" if where == "a" else "missing_in_a"
             other = "B" if where == "a" else "A"
-            yield FieldComparison(
-                h, None, status=missing, values={m: np.zeros(0) for m in ms},
-                message=f"handle {h!r} is not in run {other}",
-            )
-            continue
-        if where != "both":
-            missing = "missing_in_b" if where == "a" else "missing_in_a"
-            other = "B" if where == "a" else "A"
-            yield FieldComparison(
-                h, f, status=missing, values={m: np.zeros(0) for m in ms},
-                message=f"field {f!r} of handle {h!r} is not in run {other}",
-            )
+            what = f"handle {h!r}" if f is None else f"field {f!r} of handle {h!r}"
+            yield FieldComparison(h, f, status=missing, values={m: np.zeros(0) for m in ms},
+                                  message=f"{what} is not in run {other}")
             continue
         ha = ra[h] if rank_a is None else _rank_handle(ra, h, rank_a, "A", ms)
         hb = rb[h] if rank_b is None else _rank_handle(rb, h, rank_b, "B", ms)
