@@ -62,7 +62,7 @@ INDEX_GROUP = "_index"
 TARGET_CHUNK_BYTES = 1 << 20
 _MAX_CHUNK_RECORDS = 1 << 16
 #: Records of this size range get exactly one chunk each.
-RECORD_CHUNK_MIN = 64 << 10
+RECORD_CHUNK_MIN = 256 << 10
 RECORD_CHUNK_MAX = 4 << 20
 _RESERVED = {"step", "call"}
 

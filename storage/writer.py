@@ -64,6 +64,8 @@ FieldValue = Union[np.ndarray, "tuple[np.ndarray, str]"]
 _POLICIES = ("block", "drop")
 #: Largest block assembled in memory for one write (bounds the scratch buffer).
 _PIECE_BYTES = 8 << 20
+#: Longest time a record waits in the queue before the writer thread takes it (see write()).
+WAKE_LATENCY_S = 0.2
 #: Merge this many similar-sized trailing segments into one (compaction fan-in).
 COMPACT_FANIN = 8
 #: No compaction while a handle has fewer sealed segments (each merge copies data; a few dozen
@@ -238,6 +240,11 @@ class RunWriter:
         merge_on_close: merge each handle's segments into one ``<key>.h5`` at :meth:`close`.
             With False, segments stay (readable by ``open_run``; ``verify(repair=True)`` merges).
         fsync: fsync files and directories at flush/close (power-loss durability).
+        writeback_mb: every this many MB written to a file, ask the kernel to start writing it
+            to disk (asynchronously) and to drop its pages that are already on disk. Keeps the
+            disk busy while the run goes on, so ``flush()``/``close()`` find little left to
+            sync and a long run does not fill the page cache; 0 or None leaves writeback to
+            the kernel. See docs/storage.md.
 
     Example:
         >>> w = RunWriter("runs/a", max_buffer_mb=256)
@@ -264,6 +271,7 @@ class RunWriter:
         autoflush_s: float | None = 300.0,
         merge_on_close: bool = True,
         fsync: bool = True,
+        writeback_mb: float | None = 32,
     ) -> None:
         if policy not in _POLICIES:
             raise InvalidArgumentError(f"policy must be 'block' or 'drop', got {policy!r}")
@@ -273,7 +281,14 @@ class RunWriter:
             raise InvalidArgumentError(f"world_size must be a positive int or None, got {world_size!r}")
         if rank is not None and (not isinstance(rank, int) or rank < 0 or (world_size and rank >= world_size)):
             raise InvalidArgumentError(f"rank must be an int in [0, world_size), got {rank!r}")
+        if writeback_mb is not None and (
+            isinstance(writeback_mb, bool) or not isinstance(writeback_mb, (int, float)) or writeback_mb < 0
+        ):
+            raise InvalidArgumentError(
+                f"writeback_mb must be a number >= 0 or None (0/None: leave writeback to the kernel), got {writeback_mb!r}"
+            )
         self._compression = self._check_compression(compression)
+        self._writeback_bytes = int((writeback_mb or 0) * (1 << 20))
         self.run_dir = Path(run_dir)
         try:
             self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -303,6 +318,13 @@ class RunWriter:
         self._cond = threading.Condition()
         self._queue: deque[tuple] = deque()
         self._pending = 0
+        # Records are picked up in batches: when this many bytes are queued, when a record
+        # waited WAKE_LATENCY_S, or at once for control items and blocked writers.
+        self._wake_bytes = max(1 << 20, min(self.max_buffer_bytes // 8, 16 << 20))
+        self._queued_bytes = 0
+        self._wake_sent = False
+        self._urgent = 0
+        self._queue_since: float | None = None
         self._stats = WriterStats(max_buffer_bytes=self.max_buffer_bytes)
         self._waiting = 0
         self._error: StorageError | None = None
@@ -387,6 +409,7 @@ class RunWriter:
             self._order.append(handle_id)
             self._stats.handles[handle_id] = h.stats
             self._queue.append(("handle", h))
+            self._urgent += 1
             self._cond.notify_all()
 
     def update_handle_meta(self, handle_id: str, meta: Mapping[str, Any]) -> None:
@@ -511,8 +534,15 @@ class RunWriter:
                 self._stats.peak_buffer_bytes = self._pending
             h.stats.records += 1
             h.stats.bytes += nbytes
+            if not self._queue:
+                self._queue_since = time.monotonic()
             self._queue.append(("rec", h, step, call, norm_fields, nbytes))
-            if len(self._queue) == 1:
+            # Wake the writer thread per batch, not per record: every wake-up is a GIL hand-off
+            # that stalls the training thread (measured: waking per record cost 10-15% of a
+            # 25 ms step on 2 cores even when the writer discarded the records).
+            self._queued_bytes += nbytes
+            if self._queued_bytes >= self._wake_bytes and not self._wake_sent:
+                self._wake_sent = True
                 self._cond.notify_all()
         return True
 
@@ -530,6 +560,7 @@ class RunWriter:
         ev = _Event()
         with self._cond:
             self._queue.append((kind, ev))
+            self._urgent += 1
             self._cond.notify_all()
         while not ev.ev.wait(0.5):
             if not self._thread.is_alive():
@@ -651,7 +682,9 @@ class RunWriter:
     def _loop(self) -> None:
         while True:
             with self._cond:
-                while not self._queue:
+                while True:
+                    if self._queue and (self._urgent or self._waiting or self._queued_bytes >= self._wake_bytes):
+                        break
                     timeout = None
                     if self.autoflush_s is not None:
                         timeout = max(0.0, self._last_flush + self.autoflush_s - time.monotonic())
@@ -659,9 +692,20 @@ class RunWriter:
                             break
                     if self._waiting and self._staged_total() > 0:
                         break
-                    self._cond.wait(timeout)
+                    # Records below the batch size are taken WAKE_LATENCY_S after the first
+                    # of them was queued (write() does not wake us for them: it stamps the time).
+                    since = self._queue_since if self._queue else None
+                    left = WAKE_LATENCY_S if since is None else since + WAKE_LATENCY_S - time.monotonic()
+                    if self._queue and left <= 0:
+                        break
+                    left = max(left, 0.001)
+                    self._cond.wait(left if timeout is None else min(timeout, left))
                 items = self._queue
                 self._queue = deque()
+                self._queued_bytes = 0
+                self._wake_sent = False
+                self._urgent = 0
+                self._queue_since = None
             while items:
                 # popleft: a processed record's arrays must not stay referenced by the batch
                 # after their bytes were released from the budget (else memory doubles).
@@ -736,7 +780,7 @@ class RunWriter:
         self._current_path = path
         path.parent.mkdir(parents=True, exist_ok=True)
         attrs = self._file_attrs(h)
-        seg = _OpenSeg(h.next_record, path, HandleFileWriter(path, attrs, h.next_record))
+        seg = _OpenSeg(h.next_record, path, HandleFileWriter(path, attrs, h.next_record, self._writeback_bytes))
         h.seg = seg
         return seg
 
@@ -857,7 +901,12 @@ class RunWriter:
                 block = sf.arrays[0][None]
             else:
                 block = self._scratch_view(k * sf.item_bytes, st, (k, *spec.shape))
-                np.stack(sf.arrays[:k], out=block)  # one call: one GIL release, not k
+                # One call: one GIL release, not k. concatenate along the records' own first
+                # axis skips stack's per-array expand_dims (~1/3 faster for 64 small records).
+                if spec.shape:
+                    np.concatenate(sf.arrays[:k], axis=0, out=block.reshape(k * spec.shape[0], *spec.shape[1:]))
+                else:
+                    np.stack(sf.arrays[:k], out=block)
             if spec.info.has_norm:
                 # One batched computation per block: per-record numpy calls would release and
                 # re-acquire the GIL once per record (measured 20 us each under contention).
@@ -1034,7 +1083,8 @@ class RunWriter:
         """Copy the records of the complete files ``paths`` (in order) into the new file ``out``."""
         parts = [open_part(p) for p in paths]
         try:
-            merge_parts(parts, out, self._file_attrs(h), self._compression_for, record_start=record_start)
+            merge_parts(parts, out, self._file_attrs(h), self._compression_for, record_start=record_start,
+                        writeback_bytes=self._writeback_bytes)
         finally:
             for p in parts:
                 p.close()

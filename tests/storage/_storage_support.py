@@ -35,3 +35,14 @@ def write_std_run(run_dir: Path, n: int = 20, flush_every: int | None = None, **
         if flush_every and (i + 1) % flush_every == 0:
             w.flush()
     return w
+
+
+def wait_for_partial(run_dir: Path, timeout: float = 10.0) -> None:
+    """Wait until the writer started a ``.partial`` segment (it takes small records in batches,
+    within ``WAKE_LATENCY_S``), so a snapshot of the directory shows unflushed records on disk."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not any(p.name.endswith(".partial") for p in run_dir.rglob("*")):
+        assert time.monotonic() < deadline, f"no .partial segment appeared in {run_dir}"
+        time.sleep(0.02)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from hookline.storage import RunWriter, open_run, verify
-from _storage_support import GID, HID, record_value, write_std_run
+from _storage_support import GID, HID, record_value, wait_for_partial, write_std_run
 
 
 def _killed_run(run_dir):
@@ -18,9 +18,7 @@ def _killed_run(run_dir):
     w = write_std_run(run_dir, n=30, flush_every=5, fsync=False)
     for i in range(30, 33):
         w.write(HID, i, 0, {"outputs.0": record_value(i)})
-    import time
-
-    time.sleep(0.1)
+    wait_for_partial(run_dir)
     # Copy the directory as it is now (like a SIGKILL snapshot), then let the writer finish.
     snap = run_dir.parent / "killed"
     shutil.copytree(run_dir, snap)

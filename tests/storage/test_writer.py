@@ -142,6 +142,35 @@ def test_argument_errors(run_dir):
         RunWriter(run_dir, policy="wait")
     with pytest.raises(InvalidArgumentError, match="compression"):
         RunWriter(run_dir, compression="snappy")
+    for bad in (-1, "32", True):
+        with pytest.raises(InvalidArgumentError, match=f"writeback_mb .*got {bad!r}"):
+            RunWriter(run_dir, writeback_mb=bad)
+
+
+@pytest.mark.parametrize("writeback_mb", [1, 0])
+def test_writeback_kicks_and_small_records_share_chunks(run_dir, monkeypatch, writeback_mb):
+    """Every ``writeback_mb`` of data the kernel is asked to start writeback (real fadvise);
+    64 KiB records are packed 16 to a 1 MiB chunk (one HDF5 chunk write per 16 records)."""
+    import hookline.storage._h5file as h5file
+
+    kicked: list[int] = []
+    real = h5file.start_writeback
+
+    def spy(fd: int) -> None:
+        kicked.append(fd)
+        real(fd)
+
+    monkeypatch.setattr(h5file, "start_writeback", spy)
+    rec = np.arange(16 * 1024, dtype=np.float32).reshape(16, 1024)  # 64 KiB
+    with RunWriter(run_dir, writeback_mb=writeback_mb) as w:
+        w.add_handle(HID)
+        for i in range(64):  # 4 MiB
+            w.write(HID, i, 0, {"outputs.0": rec + i})
+    assert len(kicked) == (4 if writeback_mb else 0)  # one per MiB written (segment + merge: one file)
+    with h5py.File(run_dir / "outputs" / "blocks.0.h5", "r") as f:
+        assert f["outputs.0"].chunks == (16, 16, 1024)
+    f = open_run(run_dir)[HID]["outputs.0"]
+    assert len(f) == 64 and all(np.array_equal(f[i], rec + i) for i in (0, 15, 16, 63))
 
 
 def test_drop_policy_counts_and_reports(run_dir):
