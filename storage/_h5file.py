@@ -112,10 +112,16 @@ class _FieldOut:
             # Direct chunk writes only when a chunk holds whole records.
             self.direct = self.direct and tuple(self.chunk[1:]) == tuple(spec.shape)
         self.n = 0  # entries along axis 0 (records for fixed, elements for ragged)
+        self._tail = () if spec.ragged else tuple(spec.shape)
         self.records: list[np.ndarray] = []
         self.norms: list[np.ndarray] = []
         self.offsets: list[np.ndarray] = []
         self.shapes: list[np.ndarray] = []
+
+    def _extend(self, n: int) -> None:
+        # Low-level set_extent: h5py's Dataset.resize re-reads shape, maxshape and chunks through
+        # its Python layer on every call (tens of us holding the GIL, per block).
+        self.ds.id.set_extent((n, *self._tail))
 
     def append(self, block: np.ndarray) -> None:
         """Append ``block`` (``(k, *shape)`` for fixed, 1-D for ragged) to the dataset."""
@@ -123,7 +129,7 @@ class _FieldOut:
         if k == 0:
             return
         a, b = self.n, self.n + k
-        self.ds.resize(b, axis=0)
+        self._extend(b)
         c0 = self.chunk[0]
         if self.direct and a % c0 == 0 and block.flags.c_contiguous:
             full = (k // c0) * c0
@@ -146,7 +152,7 @@ class _FieldOut:
         if k == 0:
             return
         a = self.n
-        self.ds.resize(a + k, axis=0)
+        self._extend(a + k)
         zeros = (0,) * len(self.spec.shape)
         wdc = self.ds.id.write_direct_chunk
         nbytes = 0
