@@ -1,13 +1,17 @@
 """Capture benchmarks (SPEC §8): overhead, throughput, sampling, and what users do today.
 
-Run:  python tests/benchmarks/bench_capture.py [--quick]
+Run:  python tests/benchmarks/bench_capture.py [--quick] [--section overhead|throughput]
+                                               [--widths 1024,2048] [--rounds 25]
 
 Prints ratios measured in this one run:
   1. compute-bound model, all Linear outputs + grads every step: step time with capture / without
-     (target <= 1.05x);
-  2. non-sampled steps (every=1000) and deactivated hooks / without (target <= 1.02x);
-  3. IO-bound model: capture throughput / raw numpy ``tofile`` of the same bytes (target >= 0.7x);
-  4. the two things users do today on the IO-bound model: hooks appending
+     (target <= 1.05x), for MLP widths 1024 and 2048 (the wider one computes 4x more per step
+     for 2x the bytes: half the capture rate);
+  2. non-sampled steps (every=10**9) and deactivated hooks / without (target <= 1.02x);
+  3. two IO-bound models (few 4 MiB records; many 64 KiB records): capture throughput / raw
+     numpy ``tofile`` of the same bytes (target >= 0.7x) and / a naive per-record h5py hook
+     (target >= 3x);
+  4. the two things users do today on the IO-bound models: hooks appending
      ``.detach().cpu().clone()`` to lists then ``torch.save`` (memory growth), and hooks writing
      each record straight to h5py (resize + write per record).
 
@@ -82,10 +86,10 @@ def paired_ratio(run, variants: dict, rounds: int, steps: int) -> dict[str, tupl
     return out
 
 
-def bench_overhead(tmp: Path, rounds: int) -> None:
+def bench_overhead(tmp: Path, rounds: int, width: int = 1024) -> None:
     torch.manual_seed(0)
-    model = mlp(1024, 4)
-    x = torch.randn(64, 1024)
+    model = mlp(width, 4)
+    x = torch.randn(64, width)
     lin = select(model, "*", types=torch.nn.Linear)
     recs: dict[str, Recorder] = {}
 
@@ -99,7 +103,7 @@ def bench_overhead(tmp: Path, rounds: int) -> None:
 
     def recorder(name: str, every: int):
         mgr = HookManager()
-        rec = Recorder(tmp / name, every=every)
+        rec = Recorder(tmp / f"{name}-{width}", every=every)
         mgr.register_forward_hook(rec.outputs, **lin)
         mgr.register_backward_hook(rec.grads, **lin)
         rec.set_step(1)  # not sampled for every > 1: hooks off until entered
@@ -129,10 +133,10 @@ def bench_overhead(tmp: Path, rounds: int) -> None:
     cap.close()
     skip.close()
     noop.remove_all_hooks()
-    per_step_mb = 4 * 3 * 64 * 1024 * 4 / 2**20
+    per_step_mb = (4 * 3 - 1) * 64 * width * 4 / 2**20  # the first Linear has no grad_in
     b = res["base"][0]
-    print(f"[overhead] MLP 4x Linear(1024) batch 64, {per_step_mb:.0f} MB captured per step; "
-          f"median of {rounds} paired rounds of 10 steps")
+    print(f"[overhead] MLP 4x Linear({width}) batch 64, {per_step_mb:.1f} MB captured per step "
+          f"({per_step_mb / b:.0f} MB/s of capture); median of {rounds} paired rounds of 10 steps")
     print(f"  step without hooks           {b * 1e3:8.2f} ms")
     for k, label, target in (("capture", "capture every step", "1.05"), ("skipped", "capture, non-sampled steps", "1.02"),
                              ("deactivated", "deactivated hooks", "1.02")):
@@ -141,9 +145,19 @@ def bench_overhead(tmp: Path, rounds: int) -> None:
 
 
 def io_model():
-    """Cheap compute, big activations: every module's output is recorded."""
+    """Cheap compute, big activations: every module's output is recorded (3 x 4 MiB per step)."""
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Linear(16, 8192), torch.nn.ReLU(), torch.nn.Tanh())
+
+
+def io_model_small():
+    """Cheap compute, many small activations: 32 x (Linear(256), ReLU), batch 64, every module's
+    output recorded = 64 records of 64 KiB per step (where per-record costs decide)."""
+    torch.manual_seed(0)
+    layers: list[torch.nn.Module] = []
+    for _ in range(32):
+        layers += [torch.nn.Linear(256, 256), torch.nn.ReLU()]
+    return torch.nn.Sequential(*layers)
 
 
 def _raw(tmp: Path, per_step: int, n: int) -> float:
@@ -164,7 +178,7 @@ def _hookline(tmp: Path, model, x, n: int) -> float:
     mgr = HookManager()
     t0 = time.perf_counter()
     rec = Recorder(tmp / "io", every=1, max_buffer_mb=256)
-    mgr.register_forward_hook(rec.outputs, **select(model, "?"))
+    mgr.register_forward_hook(rec.outputs, **dict(model.named_children()))  # every child module
     with torch.no_grad():
         for i in range(n):
             with rec.step(i):
@@ -222,10 +236,16 @@ def _list_then_save(tmp: Path, model, x, n: int) -> tuple[float, float]:
     return dt, growth
 
 
-def bench_throughput(tmp: Path, n: int, reps: int) -> None:
-    model = io_model()
-    x = torch.randn(128, 16)
-    per_step = 3 * 128 * 8192 * 4  # three outputs, float32
+def bench_throughput(tmp: Path, n: int, reps: int, small: bool = False) -> None:
+    if small:
+        model, x = io_model_small(), torch.randn(64, 256)
+        per_step = 64 * 64 * 256 * 4  # 64 outputs of 64 KiB
+        n *= 3
+        label = "IO-bound model, many small records (64 outputs of 64x256 float32 per step)"
+    else:
+        model, x = io_model(), torch.randn(128, 16)
+        per_step = 3 * 128 * 8192 * 4  # three outputs, float32
+        label = "IO-bound model, few large records (3 outputs of 128x8192 float32 per step)"
     total = per_step * n
     raw, hl, naive = [], [], []
     runs = {"raw": (raw, lambda: _raw(tmp, per_step, n)), "hookline": (hl, lambda: _hookline(tmp, model, x, n)),
@@ -235,30 +255,47 @@ def bench_throughput(tmp: Path, n: int, reps: int) -> None:
         for name in order[rep % 3:] + order[: rep % 3]:
             out, fn = runs[name]
             out.append(fn())
-    dt_list, growth = _list_then_save(tmp, model, x, n)
+    with torch.no_grad():  # what the model alone could produce: IO-bound means >> the disk
+        t0 = time.perf_counter()
+        for _ in range(n):
+            model(x)
+        compute_only = time.perf_counter() - t0
+    # RSS growth is only meaningful in a process that has not freed big buffers before: measured
+    # on the first (large-record) model only.
+    dt_list, growth = (None, None) if small else _list_then_save(tmp, model, x, n)
     r, h, v = (statistics.median(a) for a in (raw, hl, naive))
     ratio_raw = statistics.median(a / b for a, b in zip(raw, hl))
     ratio_naive = statistics.median(b / a for a, b in zip(hl, naive))
     mbs = lambda dt: total / dt / 2**20  # noqa: E731
-    print(f"[throughput] IO-bound model (3 outputs of 128x8192 float32 per step), "
-          f"{per_step / 2**20:.0f} MB per step, {total / 2**30:.2f} GiB per measurement, median of {reps}")
+    print(f"[throughput] {label}, {per_step / 2**20:.0f} MB per step, {total / 2**30:.2f} GiB per measurement, "
+          f"median of {reps}")
+    print(f"  model alone, no capture      {mbs(compute_only):8.0f} MB/s of activations")
     print(f"  numpy tofile + fsync         {mbs(r):8.0f} MB/s")
     print(f"  hookline Recorder (+close)   {mbs(h):8.0f} MB/s  ratio {ratio_raw:.2f}x of raw (target >= 0.7x)")
     print(f"  naive per-record h5py        {mbs(v):8.0f} MB/s  hookline is {ratio_naive:.2f}x faster (target >= 3x)")
-    print(f"  list of .cpu().clone() + torch.save {mbs(dt_list):6.0f} MB/s, RSS grew {growth:.0f} MB "
-          f"for {total / 2**20:.0f} MB captured (grows with the run; hookline stays within max_buffer_mb)")
+    if dt_list is not None:
+        print(f"  list of .cpu().clone() + torch.save {mbs(dt_list):6.0f} MB/s, RSS grew {growth:.0f} MB "
+              f"for {total / 2**20:.0f} MB captured (grows with the run; hookline stays within max_buffer_mb)")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="fewer steps (smoke run)")
     ap.add_argument("--dir", default=None, help="directory on the disk to measure (default: a temp dir)")
+    ap.add_argument("--section", choices=("all", "overhead", "throughput"), default="all")
+    ap.add_argument("--rounds", type=int, default=25, help="paired rounds per overhead measurement")
+    ap.add_argument("--widths", type=lambda v: [int(w) for w in v.split(",")], default=[1024, 2048],
+                    help="MLP widths of the overhead runs (default 1024,2048: 110 and 55 MB/s of capture)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     tmp = Path(tempfile.mkdtemp(prefix="hookline-bench-", dir=args.dir))
     try:
-        bench_overhead(tmp, 5 if args.quick else 25)
-        bench_throughput(tmp, 30 if args.quick else 120, 1 if args.quick else 3)
+        if args.section in ("all", "overhead"):
+            for width in args.widths:
+                bench_overhead(tmp, 5 if args.quick else args.rounds, width)
+        if args.section in ("all", "throughput"):
+            bench_throughput(tmp, 30 if args.quick else 120, 1 if args.quick else 3)
+            bench_throughput(tmp, 30 if args.quick else 120, 1 if args.quick else 3, small=True)
     finally:
         shutil.rmtree(tmp)
     print(f"peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MB")

@@ -190,6 +190,52 @@ def _train_loop(n: int, sink) -> float:
     return time.perf_counter() - t0
 
 
+def _process_child(shm_name: str, slots: int, nbytes: int, free_q, full_q, path: str) -> None:
+    from multiprocessing import shared_memory
+
+    shm = shared_memory.SharedMemory(name=shm_name)
+    ring = np.ndarray((slots, nbytes), np.uint8, buffer=shm.buf)
+    with open(path, "wb") as fh:
+        while (slot := full_q.get()) is not None:
+            ring[slot].tofile(fh)
+            free_q.put(slot)
+    del ring
+    shm.close()
+
+
+def _process_writer_loop(d: Path, n: int, slots: int = 64) -> float:
+    """The alternative to a writer thread: a writer *process* fed through a shared-memory ring
+    (the caller copies each record into a free slot and passes the slot number)."""
+    import multiprocessing as mp
+    from multiprocessing import shared_memory
+
+    nbytes = int(np.prod(STALL_SHAPE)) * 4
+    shm = shared_memory.SharedMemory(create=True, size=slots * nbytes)
+    ctx = mp.get_context("spawn")
+    free_q, full_q = ctx.Queue(), ctx.Queue()
+    for i in range(slots):
+        free_q.put(i)
+    child = ctx.Process(target=_process_child, args=(shm.name, slots, nbytes, free_q, full_q, str(d / "proc.bin")))
+    child.start()
+    ring = np.ndarray((slots, *STALL_SHAPE), np.float32, buffer=shm.buf)
+
+    def send(i, x):
+        slot = free_q.get()
+        np.copyto(ring[slot], x)
+        full_q.put(slot)
+
+    try:
+        t = _train_loop(n, send)
+    finally:
+        full_q.put(None)
+        child.join(60)
+        del ring
+        shm.close()
+        shm.unlink()
+        (d / "proc.bin").unlink(missing_ok=True)
+    return t
+
+
 def bench_stall(d: Path, n: int) -> dict[str, float]:
     base = min(_train_loop(n, lambda i, x: None) for _ in range(2))
     held: list[np.ndarray] = []
@@ -242,8 +288,9 @@ def bench_stall(d: Path, n: int) -> dict[str, float]:
     q.put(None)
     th.join()
     raw.unlink()
+    proc_t = _process_writer_loop(d, n)
     return {"loop_s": base, "hold_x": hold_t / base, "with_writer_x": with_writer / base,
-            "raw_thread_x": raw_t / base, "inline_h5py_x": inline_t / base,
+            "raw_thread_x": raw_t / base, "inline_h5py_x": inline_t / base, "process_x": proc_t / base,
             "write_call_us": float(np.median(call_t)) * 1e6, "write_call_p99_us": float(np.percentile(call_t, 99)) * 1e6}
 
 
@@ -281,6 +328,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--compression", action="store_true", help="only the compression comparison")
     ap.add_argument("--throughput-only", action="store_true", help="only the throughput tables")
+    ap.add_argument("--stall-only", action="store_true", help="only the training-thread stall comparison")
     args = ap.parse_args()
     d = Path(tempfile.mkdtemp(prefix="hookline-bench-", dir=args.dir))
     try:
@@ -288,6 +336,9 @@ def main() -> None:
             print("== compression (256 MiB of 256 KiB float32 records, one writer thread, no fsync)")
             for comp, gbs, r_relu, r_norm in bench_compression(d):
                 print(f"  {comp:7s} {gbs:5.2f} GiB/s   ratio ReLU {r_relu:4.2f}x   random-normal {r_norm:4.2f}x")
+            return
+        if args.stall_only:
+            _print_stall(bench_stall(d, n=400))
             return
         for shape in (REC_SHAPE, SMALL_SHAPE):
             pool = _records(shape=shape)
@@ -333,14 +384,17 @@ def main() -> None:
         print(f"  peak RSS over baseline {rs['over_baseline_mb']:.1f} MB (target <= {rs['budget_mb'] + 64:.0f}); "
               f"peak buffered {rs['peak_buffer_mb']:.1f} MB; write() blocked {rs['blocked_s']:.2f} s")
 
-        st = bench_stall(d, n=400)
-        print("== training-thread stall (numpy/Python loop + one fresh 1 MiB record per iteration)")
-        print(f"  loop alone {st['loop_s']:.2f} s; holding the records only (no I/O) {st['hold_x']:.2f}x; "
-              f"with RunWriter {st['with_writer_x']:.2f}x; thread + tofile {st['raw_thread_x']:.2f}x; "
-              f"inline h5py writes {st['inline_h5py_x']:.2f}x")
-        print(f"  RunWriter.write() call: median {st['write_call_us']:.1f} us, p99 {st['write_call_p99_us']:.1f} us")
+        _print_stall(bench_stall(d, n=400))
     finally:
         shutil.rmtree(d, ignore_errors=True)
+
+
+def _print_stall(st: dict[str, float]) -> None:
+    print("== training-thread stall (numpy/Python loop + one fresh 1 MiB record per iteration)")
+    print(f"  loop alone {st['loop_s']:.2f} s; holding the records only (no I/O) {st['hold_x']:.2f}x; "
+          f"with RunWriter {st['with_writer_x']:.2f}x; thread + tofile {st['raw_thread_x']:.2f}x; "
+          f"process (shared-memory ring) + tofile {st['process_x']:.2f}x; inline h5py writes {st['inline_h5py_x']:.2f}x")
+    print(f"  RunWriter.write() call: median {st['write_call_us']:.1f} us, p99 {st['write_call_p99_us']:.1f} us")
 
 
 if __name__ == "__main__":
