@@ -320,7 +320,7 @@ class RunWriter:
         self._pending = 0
         # Records are picked up in batches: when this many bytes are queued, when a record
         # waited WAKE_LATENCY_S, or at once for control items and blocked writers.
-        self._wake_bytes = max(1 << 20, min(self.max_buffer_bytes // 8, 16 << 20))
+        self._wake_bytes = max(64 << 10, min(self.max_buffer_bytes // 8, 16 << 20))
         self._queued_bytes = 0
         self._wake_sent = False
         self._urgent = 0
@@ -513,6 +513,10 @@ class RunWriter:
             if self._pending and self._pending + nbytes > self.max_buffer_bytes:
                 if self.policy == "drop":
                     h.stats.dropped += 1
+                    if not self._wake_sent:  # the budget is full: the writer must drain now
+                        self._wake_sent = True
+                        self._urgent += 1
+                        self._cond.notify_all()
                     return False
                 t0 = time.monotonic()
                 self._waiting += 1
