@@ -24,7 +24,8 @@ from .format import (
     record_chunk,
 )
 
-__all__ = ["FieldSpec", "HandleFileWriter", "WRITEBACK_BYTES", "start_writeback", "Part", "PartField", "open_part", "merge_parts", "compression_kwargs"]
+__all__ = ["FieldSpec", "HandleFileWriter", "WRITEBACK_BYTES", "start_writeback", "Part", "PartField", "open_part",
+           "merge_parts", "compression_kwargs"]
 
 #: Bytes per read block when copying (merge): bounds merge memory.
 COPY_BLOCK_BYTES = 64 << 20
@@ -95,7 +96,7 @@ class FieldSpec:
 class _FieldOut:
     """A field dataset being appended to, plus its index lists (written at finish)."""
 
-    def __init__(self, f: h5py.File, spec: FieldSpec, expected: int, owner: "HandleFileWriter | None" = None):
+    def __init__(self, f: h5py.File, spec: FieldSpec, expected: int, owner: HandleFileWriter):
         self.owner = owner
         self.spec = spec
         st = spec.info.storage
@@ -141,8 +142,7 @@ class _FieldOut:
         else:
             self.ds[a:b] = block
         self.n = b
-        if self.owner is not None:
-            self.owner.wrote(block.nbytes)
+        self.owner.wrote(block.nbytes)
 
 
     def append_records(self, arrays: list[np.ndarray]) -> None:
@@ -160,8 +160,7 @@ class _FieldOut:
             wdc((a + j, *zeros), arr)
             nbytes += arr.nbytes
         self.n = a + k
-        if self.owner is not None:
-            self.owner.wrote(nbytes)
+        self.owner.wrote(nbytes)
 
 
 class HandleFileWriter:
@@ -187,7 +186,6 @@ class HandleFileWriter:
         self.calls: list[np.ndarray] = []
         self.n_records = 0
         self.fields: dict[str, _FieldOut] = {}
-        self.bytes = 0
 
     def field(self, spec: FieldSpec, expected: int) -> _FieldOut:
         """Return the output of a field, creating its dataset on first use."""
@@ -198,7 +196,6 @@ class HandleFileWriter:
 
     def wrote(self, nbytes: int) -> None:
         """Count field bytes handed to HDF5; kick writeback every ``writeback_bytes``."""
-        self.bytes += nbytes
         self._unkicked += nbytes
         if self.writeback_bytes and self._unkicked >= self.writeback_bytes:
             self._unkicked = 0

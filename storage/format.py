@@ -15,7 +15,6 @@ Every complete file (``.h5`` and ``.h5seg``) has the same internal layout.
 from __future__ import annotations
 
 import functools
-
 import json
 import math
 import os
@@ -164,9 +163,10 @@ def record_chunk(shape: tuple[int, ...], itemsize: int, expected: int | None = N
     Rule: a record of 1 MiB - 4 MiB is one chunk (the writer hands it to HDF5 without
     copying; FACTS: chunks of 256 KiB - 4 MiB perform alike). Smaller records: whole records per
     chunk, ``chunk_records(record_bytes)`` of them (~1 MiB): each chunk write costs ~40-50 us of
-    HDF5 bookkeeping plus a GIL hand-over, so fewer, bigger chunks beat saving the packing copy. A record larger than 4 MiB gets
-    chunks of one record whose leading dimensions are halved (left to right) until the chunk is
-    <= ``target`` bytes, so one record is a few contiguous chunks.
+    HDF5 bookkeeping plus a GIL hand-over, so fewer, bigger chunks beat saving the packing copy.
+    A record larger than 4 MiB gets chunks of one record whose leading dimensions are halved
+    (left to right) until the chunk is <= ``target`` bytes, so one record is a few contiguous
+    chunks.
     """
     record_bytes = itemsize * math.prod(shape)
     if RECORD_CHUNK_MIN <= record_bytes <= RECORD_CHUNK_MAX:

@@ -25,7 +25,7 @@ import weakref
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Union
+from typing import Any, Callable, Mapping, Union
 
 import numpy as np
 
@@ -57,7 +57,7 @@ from .format import (
 )
 from .keys import handle_key
 
-__all__ = ["RunWriter", "WriterStats", "HandleStats"]
+__all__ = ["RunWriter", "WriterStats", "HandleStats", "weak_closer"]
 
 FieldValue = Union[np.ndarray, "tuple[np.ndarray, str]"]
 
@@ -347,7 +347,7 @@ class RunWriter:
         self._compactor = threading.Thread(target=self._compact_loop, name="hookline-compactor", daemon=True)
         self._compactor.start()
         # Close at interpreter exit (atexit runs while daemon threads still run), weakly.
-        self._atexit = _weak_close(self)
+        self._atexit = weak_closer(self)  # errors: reported through the manifest
         atexit.register(self._atexit)
 
     # --- configuration ----------------------------------------------------------------------------
@@ -1180,16 +1180,20 @@ def _lock_run(run_dir: Path, suffix: str) -> int:
     return fd
 
 
-def _weak_close(w: RunWriter) -> Any:
-    ref = weakref.ref(w)
+def weak_closer(obj: Any, on_error: Callable[[Any, Exception], None] | None = None) -> Callable[[], None]:
+    """An ``atexit`` callback that closes ``obj`` if it is still alive and open, without keeping
+    it alive. Errors go to ``on_error(obj, exc)`` (default: ignored; at exit there is no caller
+    left to raise to). Used by :class:`RunWriter` and the tracker's ``Recorder``."""
+    ref = weakref.ref(obj)
 
     def close() -> None:
-        obj = ref()
-        if obj is not None and not obj._closed:
+        o = ref()
+        if o is not None and not o._closed:
             try:
-                obj.close()
-            except Exception:  # pragma: no cover - reported through the manifest
-                pass
+                o.close()
+            except Exception as e:
+                if on_error is not None:
+                    on_error(o, e)
 
     return close
 

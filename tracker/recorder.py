@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from hookline.storage.errors import HookTypeError, InvalidArgumentError, WriterClosedError
-from hookline.storage.writer import RunWriter, WriterStats
+from hookline.storage.writer import RunWriter, WriterStats, weak_closer
 
 from .capture import CaptureHook, CaptureOptions, _Binding, field_tensors
 from .convert import BufferPool, DeviceCopier, to_field
@@ -198,7 +198,7 @@ class Recorder:
         self.outputs = CaptureHook(self, CaptureOptions("outputs"))
         self.grads = CaptureHook(self, CaptureOptions("grads"))
         # Close at interpreter exit so buffered data reaches the disk (weakly: no leak).
-        self._atexit = _weak_close(self)
+        self._atexit = weak_closer(self, _log_exit_error)
         atexit.register(self._atexit)
 
     # --- configuration ------------------------------------------------------------------
@@ -467,15 +467,5 @@ class Recorder:
         return f"Recorder({str(self.run_dir)!r}, every={self.every}, closed={self._closed})"
 
 
-def _weak_close(rec: Recorder):
-    ref = weakref.ref(rec)
-
-    def close() -> None:
-        r = ref()
-        if r is not None and not r._closed:
-            try:
-                r.close()
-            except Exception as e:  # at exit there is no caller left to raise to
-                log.error("hookline: closing %r at exit failed: %s", r, e)
-
-    return close
+def _log_exit_error(rec: Recorder, e: Exception) -> None:
+    log.error("hookline: closing %r at exit failed: %s", rec, e)
