@@ -24,7 +24,7 @@ from .format import (
     record_chunk,
 )
 
-__all__ = ["FieldSpec", "HandleFileWriter", "WRITEBACK_BYTES", "start_writeback", "Part", "PartField", "open_part",
+__all__ = ["FieldSpec", "HandleFileWriter", "WRITEBACK_BYTES", "Writeback", "start_writeback", "Part", "PartField", "open_part",
            "merge_parts", "compression_kwargs"]
 
 #: Bytes per read block when copying (merge): bounds merge memory.
@@ -49,6 +49,37 @@ def start_writeback(fd: int) -> None:
         fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     except OSError:
         pass
+
+
+class Writeback:
+    """Kicks writeback (:func:`start_writeback`) every ``nbytes`` written, over a set of files.
+
+    One instance is shared by all files a writer has open, so a run of many small handle files
+    (each far below ``nbytes``) still has its data on its way to the disk as it goes, not all
+    of it at the final fsync. Every kick covers each file written to since the previous one.
+    Used from one thread (the writer's).
+    """
+
+    def __init__(self, nbytes: int | None = WRITEBACK_BYTES) -> None:
+        self.nbytes = nbytes or 0
+        self._unkicked = 0
+        self._dirty: dict[int, h5py.File] = {}
+
+    def wrote(self, f: h5py.File, nbytes: int) -> None:
+        if not self.nbytes:
+            return
+        self._dirty[id(f)] = f
+        self._unkicked += nbytes
+        if self._unkicked >= self.nbytes:
+            self._unkicked = 0
+            for g in self._dirty.values():
+                if g.id.valid:
+                    start_writeback(g.id.get_vfd_handle())
+            self._dirty.clear()
+
+    def forget(self, f: h5py.File) -> None:
+        """Stop tracking a file (before it is closed)."""
+        self._dirty.pop(id(f), None)
 
 
 def compression_kwargs(spec: str | None) -> dict[str, Any]:
@@ -170,16 +201,15 @@ class HandleFileWriter:
         path: file to create (truncated).
         attrs: root attributes (see docs/format.md); ``records``/``record_start`` are set by finish.
         record_start: global record number of this file's first record.
-        writeback_bytes: start the kernel's writeback of this file every this many bytes of
-            field data (:func:`start_writeback`); 0 or None leaves it to the kernel.
+        writeback: a :class:`Writeback` shared with the writer's other open files, or a byte
+            count for one of this file's own; 0 or None leaves writeback to the kernel.
     """
 
     def __init__(self, path: Path, attrs: dict[str, Any], record_start: int,
-                 writeback_bytes: int | None = WRITEBACK_BYTES):
+                 writeback: Writeback | int | None = WRITEBACK_BYTES):
         self.path = Path(path)
         self.f = h5py.File(self.path, "w", rdcc_nbytes=0)
-        self.writeback_bytes = writeback_bytes or 0
-        self._unkicked = 0
+        self.writeback = writeback if isinstance(writeback, Writeback) else Writeback(writeback)
         self.attrs = attrs
         self.record_start = record_start
         self.steps: list[np.ndarray] = []
@@ -195,11 +225,8 @@ class HandleFileWriter:
         return out
 
     def wrote(self, nbytes: int) -> None:
-        """Count field bytes handed to HDF5; kick writeback every ``writeback_bytes``."""
-        self._unkicked += nbytes
-        if self.writeback_bytes and self._unkicked >= self.writeback_bytes:
-            self._unkicked = 0
-            start_writeback(self.f.id.get_vfd_handle())
+        """Count field bytes handed to HDF5 (writeback is kicked as they add up)."""
+        self.writeback.wrote(self.f, nbytes)
 
     def add_index(self, steps: np.ndarray, calls: np.ndarray) -> None:
         """Append record index entries (one per record)."""
@@ -247,10 +274,12 @@ class HandleFileWriter:
         a["fields"] = json.dumps(list(self.fields))
         for k, v in (extra_attrs or {}).items():
             a[k] = v
+        self.writeback.forget(f)
         f.close()
 
     def abort(self) -> None:
         """Close without finishing (best effort; the file stays a ``.partial``)."""
+        self.writeback.forget(self.f)
         try:
             self.f.close()
         except Exception:
@@ -436,7 +465,7 @@ def ensure_filters() -> None:
 
 def merge_parts(parts: list[Part], out_path: Path, attrs: dict[str, Any],
                 compression_for: Callable[[str], str | None] | None = None,
-                record_start: int = 0, writeback_bytes: int | None = WRITEBACK_BYTES) -> int:
+                record_start: int = 0, writeback: Writeback | int | None = WRITEBACK_BYTES) -> int:
     """Copy the records of ``parts`` (in order) into one new complete file at ``out_path``.
 
     Records are renumbered contiguously from ``record_start``. A field is stored ragged in the
@@ -446,7 +475,7 @@ def merge_parts(parts: list[Part], out_path: Path, attrs: dict[str, Any],
     Returns:
         The number of records written.
     """
-    w = HandleFileWriter(out_path, attrs, record_start, writeback_bytes)
+    w = HandleFileWriter(out_path, attrs, record_start, writeback)
     try:
         bases = []
         base = record_start

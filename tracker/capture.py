@@ -144,19 +144,19 @@ class CaptureHook:
 
 def field_tensors(
     groups: tuple[tuple[str, Any], ...], options: CaptureOptions
-) -> tuple[list[str], list[torch.Tensor], list[bool], list[str]]:
-    """Name, slice and cast the tensors of one firing.
+) -> tuple[list[str], list[torch.Tensor], list[str]]:
+    """Name and slice the tensors of one firing (stats mode: cast and summarise them).
 
     Returns:
-        ``(names, tensors, fresh, skipped)``: field names (``outputs.0``, ``grad_in.1``...), the
-        tensors to copy (stats mode: one packed stats tensor per field), whether each tensor is a
-        new result nobody else holds (a cast or stats: no private copy needed on CPU), and the
-        paths of non-tensor leaves and ``None`` gradients that were not recorded.
+        ``(names, tensors, skipped)``: field names (``outputs.0``, ``grad_in.1``...), the detached
+        tensors to copy (stats mode: one packed stats tensor per field; tensor mode: not yet cast,
+        the copy into the host block casts), and the paths of non-tensor leaves and ``None``
+        gradients that were not recorded.
     """
     names: list[str] = []
     tensors: list[torch.Tensor] = []
-    fresh: list[bool] = []
     skipped: list[str] = []
+    stats = options.mode == "stats"
     for prefix, leaves in groups:
         paths = getattr(leaves, "paths", None) or tuple(str(i) for i in range(len(leaves)))
         skipped.extend(f"{prefix}.{p}" for p in getattr(leaves, "skipped", ()))
@@ -168,12 +168,10 @@ def field_tensors(
             if options.batch_slice is not None and t.dim() > 0:
                 t = t[: options.batch_slice]
             t = t.detach()
-            new = False
-            if options.dtype is not None and t.is_floating_point() and t.dtype != options.dtype:
-                t, new = t.to(options.dtype), True
-            if options.mode == "stats":
-                t, new = compute_stats(t, options.stats or StatsSpec()), True
+            if stats:
+                if options.dtype is not None and t.is_floating_point() and t.dtype != options.dtype:
+                    t = t.to(options.dtype)  # stats of what a tensor capture would store
+                t = compute_stats(t, options.stats or StatsSpec())
             names.append(name)
             tensors.append(t)
-            fresh.append(new)
-    return names, tensors, fresh, skipped
+    return names, tensors, skipped

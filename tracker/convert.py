@@ -1,19 +1,19 @@
-"""Tensor -> storage field conversion, off the training thread's critical path as far as possible.
+"""Tensor -> storage field conversion, and the host buffers captures are copied into.
 
 ``storage`` takes numpy arrays, or ``(raw_bits, dtype_name)`` pairs for dtypes numpy lacks
 (bfloat16, float8 variants, complex32). Everything here is zero-copy on the numpy side: the tensor
-handed in must already be a private copy (see :class:`DeviceCopier`).
+handed in must already be a private copy (see :mod:`hookline.tracker.packer`).
 """
 
 from __future__ import annotations
 
 from collections import deque
-from typing import Any, Callable, Union
+from typing import Union
 
 import numpy as np
 import torch
 
-__all__ = ["FieldValue", "to_field", "DeviceCopier", "BufferPool", "BITS_DTYPES"]
+__all__ = ["FieldValue", "to_field", "BufferPool", "BITS_DTYPES"]
 
 FieldValue = Union[np.ndarray, "tuple[np.ndarray, str]"]
 
@@ -92,87 +92,3 @@ class BufferPool:
         key = (tuple(buf.shape), buf.dtype, pinned)
         self._free.setdefault(key, deque()).append(buf)
         self._bytes += buf.nbytes
-
-
-def fresh_copy(t: torch.Tensor, pool: BufferPool | None = None) -> torch.Tensor:
-    """A contiguous private copy of a CPU tensor (the hook's tensor may change in place later)."""
-    if pool is None:
-        return t.clone(memory_format=torch.contiguous_format)
-    buf = pool.take(t.shape, t.dtype)
-    return buf.copy_(t)
-
-
-class DeviceCopier:
-    """Moves captured tensors to host memory without synchronising the device inside hooks.
-
-    CPU tensors are cloned synchronously (the caller may modify them in place right after the
-    hook returns). CUDA tensors are copied with ``non_blocking=True`` into pinned host buffers and
-    an event is recorded on the current stream; the record is handed on (``deliver``) only once
-    the event has completed, checked without blocking on every later capture and with a blocking
-    wait in :meth:`drain`. This keeps ``torch.cuda.synchronize`` out of the training loop.
-
-    Args:
-        deliver: called with ``(payload, host_tensors)`` once the copies of a record are complete.
-        event_factory: creates an object with ``record()``, ``query()`` and ``synchronize()``;
-            defaults to ``torch.cuda.Event``. Injectable so the pending logic is testable on CPU.
-    """
-
-    def __init__(
-        self,
-        deliver: Callable[[Any, list[torch.Tensor]], None],
-        event_factory: Callable[[], Any] | None = None,
-        pool: BufferPool | None = None,
-    ) -> None:
-        self._deliver = deliver
-        self._event_factory = event_factory or (lambda: torch.cuda.Event())
-        self.pool = pool
-        self._pending: deque[tuple[Any, Any, list[torch.Tensor]]] = deque()
-
-    @property
-    def pending(self) -> int:
-        """Number of records whose device copies have not been delivered yet."""
-        return len(self._pending)
-
-    def submit(self, payload: Any, tensors: list[torch.Tensor], fresh: list[bool] | None = None) -> None:
-        """Copy ``tensors`` to host memory and deliver them with ``payload`` when ready.
-
-        ``fresh[i]`` marks a CPU tensor that is already a private result (e.g. a dtype cast):
-        it is handed on without another copy when contiguous.
-        """
-        pool = self.pool
-        if fresh is None:
-            fresh = [False] * len(tensors)
-        elif len(fresh) != len(tensors):
-            raise ValueError(f"fresh flags ({len(fresh)}) must match the tensors ({len(tensors)})")
-
-        def host_copy(t: torch.Tensor, new: bool) -> torch.Tensor:
-            return t if new and t.is_contiguous() else fresh_copy(t, pool)
-
-        if not any(t.device.type != "cpu" for t in tensors):
-            self._poll()
-            self._deliver(payload, [host_copy(t, new) for t, new in zip(tensors, fresh)])
-            return
-        host = []
-        for t, new in zip(tensors, fresh):
-            if t.device.type == "cpu":
-                host.append(host_copy(t, new))
-            else:
-                buf = pool.take(t.shape, t.dtype, pin=True) if pool else torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-                buf.copy_(t, non_blocking=True)
-                host.append(buf)
-        event = self._event_factory()
-        event.record()
-        self._pending.append((event, payload, host))
-        self._poll()
-
-    def _poll(self) -> None:
-        while self._pending and self._pending[0][0].query():
-            _, payload, host = self._pending.popleft()
-            self._deliver(payload, host)
-
-    def drain(self) -> None:
-        """Block until every pending copy is complete and delivered (used by flush/close)."""
-        while self._pending:
-            event, payload, host = self._pending.popleft()
-            event.synchronize()
-            self._deliver(payload, host)

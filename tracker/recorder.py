@@ -7,7 +7,6 @@ import logging
 import os
 import threading
 import time
-import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,9 +19,10 @@ from hookline.storage.errors import HookTypeError, InvalidArgumentError, WriterC
 from hookline.storage.writer import RunWriter, WriterStats, weak_closer
 
 from .capture import CaptureHook, CaptureOptions, _Binding, field_tensors
-from .convert import BufferPool, DeviceCopier, to_field
+from .convert import BufferPool
 from .distributed import broadcast_run_id, check_same_handles, detect
-from .stats import SCALAR_STATS, StatsSpec, split_stats
+from .packer import BlockPacker
+from .stats import SCALAR_STATS, StatsSpec
 
 __all__ = ["Recorder", "RecorderSummary", "HandleSummary"]
 
@@ -191,9 +191,12 @@ class Recorder:
         self._bindings: list[tuple[CaptureHook, _Binding]] = []
         self._hook_seconds: dict[str, float] = {}
         self._skipped: dict[str, list[str]] = {}
-        # Reuse host buffers (warm pages) for tensor captures; bounded by the memory budget.
-        self._pool = BufferPool(max_bytes=int(min(max_buffer_mb, 256) * 2**20))
-        self._copier = DeviceCopier(self._deliver, pool=self._pool)
+        # Records are packed into chunk-sized host blocks (reused buffers: warm pages) and
+        # handed to the writer a block at a time; the blocks being filled hold at most a
+        # quarter of the budget on top of it.
+        budget = int(max_buffer_mb * 2**20)
+        self._pool = BufferPool(max_bytes=min(budget, 256 << 20))
+        self._packer = BlockPacker(self._writer.write_block, self._pool, max_open_bytes=budget // 4)
         self.inputs = CaptureHook(self, CaptureOptions("inputs"))
         self.outputs = CaptureHook(self, CaptureOptions("outputs"))
         self.grads = CaptureHook(self, CaptureOptions("grads"))
@@ -252,6 +255,7 @@ class Recorder:
         self._check_open()
         step = _check_step(step)
         self._raise_writer_error()
+        self._packer.hand_over_stale()
         sampled = self.is_sampled(step)
         with self._lock:
             self._step = step
@@ -346,7 +350,8 @@ class Recorder:
             binding.step, binding.calls = step, 0
         call = binding.calls
         binding.calls += 1
-        names, tensors, fresh, skipped = field_tensors(groups, hook.options)
+        opts = hook.options
+        names, tensors, skipped = field_tensors(groups, opts)
         hid = binding.handle_id
         if skipped:
             known = self._skipped[hid]
@@ -354,28 +359,8 @@ class Recorder:
             if unseen:  # rare: the first firings of a handle; recorded in the manifest
                 known.extend(unseen)
                 self._writer.update_handle_meta(hid, {"skipped_fields": list(known)})
-        self._copier.submit((hid, step, call, names, hook.options.mode), tensors, fresh)
+        self._packer.add(hid, step, call, names, tensors, opts.dtype, opts.mode == "stats")
         self._hook_seconds[hid] += (time.perf_counter_ns() - t0) * 1e-9
-
-    def _deliver(self, payload: tuple, host: list[torch.Tensor]) -> None:
-        handle_id, step, call, names, mode = payload
-        fields: dict[str, Any] = {}
-        if mode == "stats":
-            for name, t in zip(names, host):
-                fields.update(split_stats(name, t.numpy()))
-        else:
-            give = self._pool.give
-            for name, t in zip(names, host):
-                value = to_field(t)
-                # Back to the pool once the writer dropped every numpy view of the buffer: all
-                # views chain to the array whose base is the tensor (numpy collapses view bases
-                # to it), so its finalizer runs only after the last view is gone.
-                owner = value[0] if isinstance(value, tuple) else value
-                while isinstance(owner.base, np.ndarray):
-                    owner = owner.base
-                weakref.finalize(owner, give, t)
-                fields[name] = value
-        self._writer.write(handle_id, step, call, fields)  # drops are counted by the writer
 
     # --- lifecycle --------------------------------------------------------------------------
     def _check_open(self) -> None:
@@ -395,7 +380,7 @@ class Recorder:
         With MLflow, also schedules a background update of the run's metrics and tags.
         """
         self._check_open()
-        self._copier.drain()
+        self._packer.drain()
         self._writer.flush()
         if self._mlflow is not None:
             self._mlflow.submit(self.run_dir)  # per-step metrics so far, in the background
@@ -428,7 +413,7 @@ class Recorder:
         atexit.unregister(self._atexit)
         failure: BaseException | None = None
         try:
-            self._copier.drain()
+            self._packer.drain()
         except BaseException as e:  # noqa: BLE001 - re-raised below, after the collective
             failure = e
         self._closed = True

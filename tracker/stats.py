@@ -72,7 +72,11 @@ def compute_stats(t: torch.Tensor, spec: StatsSpec) -> torch.Tensor:
 
 
 def split_stats(prefix: str, packed: np.ndarray) -> dict[str, np.ndarray]:
-    """Turn a host copy of :func:`compute_stats` into storage fields named ``<prefix>.<stat>``."""
-    out = {f"{prefix}.{name}": packed[i : i + 1].reshape(()).copy() for i, name in enumerate(SCALAR_STATS)}
-    out[f"{prefix}.hist"] = packed[len(SCALAR_STATS) :]
+    """Turn host copies of :func:`compute_stats` into storage fields named ``<prefix>.<stat>``.
+
+    ``packed`` is one record (1-D) or a block of records stacked along a first axis (2-D); the
+    fields are fresh contiguous arrays (``()``/``(bins,)`` per record, with the block's first axis).
+    """
+    out = {f"{prefix}.{name}": packed[..., i].copy() for i, name in enumerate(SCALAR_STATS)}
+    out[f"{prefix}.hist"] = packed[..., len(SCALAR_STATS):].copy()
     return out

@@ -173,6 +173,24 @@ def test_writeback_kicks_and_small_records_share_chunks(run_dir, monkeypatch, wr
     assert len(f) == 64 and all(np.array_equal(f[i], rec + i) for i in (0, 15, 16, 63))
 
 
+def test_writeback_counts_bytes_over_all_open_files(run_dir, monkeypatch):
+    """Many handles, each far below ``writeback_mb``: the run's total still triggers kicks, and
+    each kick covers every file written to since the last one."""
+    import hookline.storage._h5file as h5file
+
+    kicks: list[int] = []
+    monkeypatch.setattr(h5file, "start_writeback", lambda fd: kicks.append(fd))
+    rec = np.ones((64, 256), np.float32)  # 64 KiB: 16 records fill a chunk
+    with RunWriter(run_dir, writeback_mb=2, merge_on_close=False) as w:
+        for h in range(8):
+            w.add_handle(f"outputs[m{h}]")
+        for i in range(16):  # 8 handles x 16 x 64 KiB: one 1 MiB chunk per file, 8 MiB in all
+            for h in range(8):
+                w.write(f"outputs[m{h}]", i, 0, {"outputs.0": rec})
+    # No file reached 2 MiB, yet the run's 8 MiB gave 4 kicks of two open files each.
+    assert len(kicks) == 8 and len(set(kicks)) == 8
+
+
 def test_drop_policy_counts_and_reports(run_dir):
     w = RunWriter(run_dir, max_buffer_mb=2, policy="drop")
     w.test_delay_s_per_mb = 0.05  # slow disk: 20 MB/s

@@ -1,0 +1,232 @@
+"""Block packing of captured records (tracker/packer.py): into chunk-sized host blocks, to the
+writer a block at a time, in record order, with the CUDA event bookkeeping exercised on CPU."""
+
+from __future__ import annotations
+
+import gc
+
+import numpy as np
+import pytest
+import torch
+
+from hookline.storage import RunWriter, open_run
+from hookline.storage.format import chunk_records
+from hookline.tracker.convert import BufferPool
+from hookline.tracker.packer import BLOCK_MAX_RECORDS, RAGGED_AFTER, BlockPacker, _Block
+
+
+class Calls:
+    """Collects write_block calls (a stand-in for RunWriter.write_block's signature)."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, hid, steps, calls, fields):
+        self.calls.append((hid, list(steps), list(calls), {k: (v[0].copy(), v[1]) if isinstance(v, tuple)
+                                                           else v.copy() for k, v in fields.items()}))
+        return True
+
+
+def test_full_block_is_one_write_of_chunk_size_and_copies_are_private():
+    got = Calls()
+    packer = BlockPacker(got, BufferPool())
+    t = torch.zeros(64, 256)  # 64 KiB: 16 records per 1 MiB chunk
+    cap = chunk_records(t.nbytes)
+    assert cap == 16
+    for i in range(cap - 1):
+        packer.add("h", i, 0, ["outputs.0"], [t])
+        t.add_(1)  # the model changes its tensor in place after the hook returned
+    assert got.calls == [] and packer.open_records == cap - 1
+    packer.add("h", cap - 1, 0, ["outputs.0"], [t])
+    assert len(got.calls) == 1 and packer.open_records == 0
+    hid, steps, calls, fields = got.calls[0]
+    assert steps == list(range(cap)) and calls == [0] * cap
+    block = fields["outputs.0"]
+    assert block.shape == (cap, 64, 256)
+    np.testing.assert_array_equal(block[1] - block[0], np.ones((64, 256), np.float32))
+    np.testing.assert_array_equal(block[-1], t.numpy())
+
+
+def test_shape_change_hands_over_the_partial_block_and_ragged_handles_get_one_record_blocks():
+    got = Calls()
+    packer = BlockPacker(got, BufferPool())
+    packer.add("h", 0, 0, ["f"], [torch.ones(3)])
+    packer.add("h", 1, 0, ["f"], [torch.ones(3)])
+    packer.add("h", 2, 0, ["f"], [torch.ones(4)])  # change 1: the first block goes
+    assert [c[1] for c in got.calls] == [[0, 1]]
+    assert RAGGED_AFTER == 2
+    packer.add("h", 3, 0, ["f"], [torch.ones(3)])  # change 2: ragged from here on
+    assert [c[1] for c in got.calls] == [[0, 1], [2], [3]]  # one-record blocks go at once
+    packer.add("h", 4, 0, ["f", "g"], [torch.ones(2), torch.ones(1)])  # a new field set, too
+    assert [c[1] for c in got.calls] == [[0, 1], [2], [3], [4]]
+    assert set(got.calls[-1][3]) == {"f", "g"} and packer.open_records == 0
+
+
+def test_cast_in_the_copy_is_bit_identical_to_to():
+    got = Calls()
+    packer = BlockPacker(got, BufferPool())
+    x = torch.randn(5, 7) * 1e3
+    x[0, :3] = torch.tensor([float("nan"), float("inf"), 1e-40])
+    packer.add("h", 0, 0, ["outputs.0", "ids"], [x, torch.arange(4)], cast=torch.bfloat16)
+    packer.drain()
+    fields = got.calls[0][3]
+    bits, name = fields["outputs.0"]
+    assert name == "bfloat16"
+    ref = x.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+    np.testing.assert_array_equal(bits[0], ref)
+    assert fields["ids"].dtype == np.int64  # integer tensors are not cast
+
+
+def test_stats_blocks_are_split_into_per_stat_fields():
+    from hookline.tracker.stats import SCALAR_STATS, StatsSpec, compute_stats
+
+    got = Calls()
+    packer = BlockPacker(got, BufferPool())
+    spec = StatsSpec(bins=4)
+    xs = [torch.randn(10) for _ in range(3)]
+    for i, x in enumerate(xs):
+        packer.add("h", i, 0, ["outputs.0"], [compute_stats(x, spec)], stats=True)
+    packer.drain()
+    fields = got.calls[0][3]
+    assert set(fields) == {f"outputs.0.{s}" for s in SCALAR_STATS} | {"outputs.0.hist"}
+    np.testing.assert_allclose(fields["outputs.0.norm"], [float(x.double().norm()) for x in xs], rtol=1e-12)
+    assert fields["outputs.0.hist"].shape == (3, 4) and fields["outputs.0.hist"].sum() == 30
+
+
+def test_stale_blocks_are_handed_over_at_the_next_step_boundary():
+    got = Calls()
+    packer = BlockPacker(got, BufferPool(), max_age_s=0.0)
+    packer.add("h", 0, 0, ["f"], [torch.ones(2)])
+    assert got.calls == []
+    packer.hand_over_stale()
+    assert [c[1] for c in got.calls] == [[0]]
+    fresh = BlockPacker(got, BufferPool(), max_age_s=3600)
+    fresh.add("h", 1, 0, ["f"], [torch.ones(2)])
+    fresh.hand_over_stale()
+    assert len(got.calls) == 1  # not old enough
+
+
+def test_open_blocks_are_bounded_by_max_open_bytes():
+    got = Calls()
+    rec = torch.ones(64, 256)  # a 16-record block is 1 MiB
+    packer = BlockPacker(got, BufferPool(), max_open_bytes=3 << 20)
+    for h in range(3):
+        packer.add(f"h{h}", 0, 0, ["f"], [rec])
+    assert got.calls == []
+    packer.add("h3", 0, 0, ["f"], [rec])  # 4 MiB open > 3 MiB: the others go to the writer
+    assert sorted(c[0] for c in got.calls) == ["h0", "h1", "h2"]
+    assert packer.open_records == 1
+
+
+class FakeEvent:
+    """Stands in for torch.cuda.Event: completes after `ready_after` queries."""
+
+    def __init__(self, ready_after):
+        self.ready_after, self.queries, self.synced, self.recorded = ready_after, 0, False, False
+
+    def record(self):
+        self.recorded = True
+
+    def query(self):
+        self.queries += 1
+        return self.synced or self.queries > self.ready_after
+
+    def synchronize(self):
+        self.synced = True
+
+
+def _device_block(step: int, events: list) -> _Block:
+    blk = _Block(["f"], [(torch.Size([1]), torch.float32, True)], [torch.full((1, 1), float(step))], 1,
+                 cuda=True, stats=False)
+    blk.steps, blk.calls, blk.n, blk.events = [step], [0], 1, events
+    return blk
+
+
+def test_device_blocks_wait_for_their_events_and_keep_record_order():
+    """The CUDA branch's bookkeeping, driven with fake events (no device on this machine)."""
+    got = Calls()
+    packer = BlockPacker(got, BufferPool())
+    events = [FakeEvent(ready_after=1), FakeEvent(ready_after=1), FakeEvent(ready_after=10**6)]
+    for i, ev in enumerate(events):
+        ev.record()
+        packer._open["h"] = _device_block(i, [ev])
+        packer._open_bytes += 4
+        packer._hand_over("h")  # each hand-over polls: event i needs two queries
+    assert [c[1] for c in got.calls] == [[0], [1]] and packer.pending == 1
+    # A CPU block of the same handle must not overtake the pending device block.
+    packer.add("h", 3, 0, ["f"], [torch.ones(1)])
+    packer.hand_over_all()
+    assert [c[1] for c in got.calls] == [[0], [1]] and packer.pending == 2
+    packer.drain()
+    assert [s for c in got.calls for s in c[1]] == [0, 1, 2, 3] and packer.pending == 0
+    assert events[2].synced  # drain waited on the event it needed
+
+
+def test_recorded_events_and_pinned_buffers_on_the_cuda_path(monkeypatch):
+    """With a device source the packer records one event per record and asks for pinned blocks.
+
+    There is no GPU here: the source claims to be a CUDA tensor through ``is_cuda`` only, so the
+    copy itself runs on CPU; what is checked is the branch's bookkeeping."""
+    got = Calls()
+    taken = []
+    pool = BufferPool()
+    real_take = pool.take
+
+    def take(shape, dtype, pin=False):
+        taken.append(pin)
+        return real_take(shape, dtype, pin=False)  # pinning needs a CUDA driver
+
+    monkeypatch.setattr(pool, "take", take)
+    events = []
+
+    def factory():
+        events.append(FakeEvent(ready_after=0))
+        return events[-1]
+
+    class DeviceLike(torch.Tensor):
+        @property
+        def is_cuda(self):
+            return True
+
+    packer = BlockPacker(got, pool, event_factory=factory)
+    t = torch.randn(4).as_subclass(DeviceLike)
+    packer.add("h", 0, 0, ["f"], [t])
+    packer.add("h", 1, 0, ["f"], [t])
+    assert taken == [True] and len(events) == 2 and all(e.recorded for e in events)
+    packer.drain()
+    assert [c[1] for c in got.calls] == [[0, 1]]
+
+
+@pytest.mark.parametrize("per_step", [1, 40])
+def test_blocks_through_a_real_writer_read_back_in_order(tmp_path, per_step):
+    w = RunWriter(tmp_path / "run")
+    w.add_handle("h")
+    packer = BlockPacker(w.write_block, BufferPool(), max_age_s=3600)
+    ref = []
+    for step in range(50):
+        for call in range(per_step):
+            t = torch.full((8, 8), float(step * 100 + call))
+            packer.add("h", step, call, ["outputs.0"], [t])
+            ref.append(t.clone())
+    packer.drain()
+    w.close()
+    h = open_run(tmp_path / "run")["h"]
+    assert len(h.steps) == 50 * per_step
+    assert list(h.steps) == [s for s in range(50) for _ in range(per_step)]
+    assert list(h.calls) == list(range(per_step)) * 50
+    np.testing.assert_array_equal(h["outputs.0"].read(), torch.stack(ref).numpy())
+
+
+def test_block_buffers_return_to_the_pool_once_written(tmp_path):
+    w = RunWriter(tmp_path / "run")
+    w.add_handle("h")
+    pool = BufferPool()
+    packer = BlockPacker(w.write_block, pool)
+    t = torch.randn(64, 256)
+    for step in range(16 * 20):
+        packer.add("h", step, 0, ["outputs.0"], [t])
+        if step % 64 == 63:
+            w.flush()  # the writer has written (and dropped) every full block so far
+            gc.collect()
+    w.close()
+    assert pool.reused >= 10  # blocks cycle through the pool instead of fresh allocations

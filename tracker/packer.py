@@ -1,0 +1,235 @@
+"""Packing captured records into chunk-sized host blocks, handed to the writer a block at a time.
+
+Each firing of a recorder hook copies its tensors straight into the next row of its handle's
+open *block*: host buffers of shape ``(cap, *record_shape)``, one per field, sized so that a full
+block is one storage chunk (~1 MiB, see docs/format.md). A full block goes to
+:meth:`RunWriter.write_block` as one queue entry, which the writer thread hands to HDF5 without
+another copy. Per record the training thread pays one ``copy_`` per field and two list appends;
+the writer's per-record Python work (validation, staging, packing copy, buffer recycling) is paid
+once per block. Measured: docs/performance.md (Capture).
+
+CUDA tensors are copied with ``non_blocking=True`` into pinned blocks and an event is recorded per
+record; a block goes to the writer only once its events have completed, checked without blocking
+on later captures and waited for in :meth:`BlockPacker.drain`. This keeps
+``torch.cuda.synchronize`` out of the training loop.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from collections import deque
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from hookline.storage.format import chunk_records
+
+from .convert import BufferPool, to_field
+from .stats import split_stats
+
+__all__ = ["BlockPacker", "BLOCK_MAX_RECORDS", "MAX_AGE_S"]
+
+#: Most records one block holds (tiny records such as stats would otherwise wait for thousands).
+BLOCK_MAX_RECORDS = 256
+#: A partly filled block is handed to the writer at the next step boundary once its first record
+#: is this old, so a slow loop's records reach the writer (and its autoflush) within seconds.
+MAX_AGE_S = 1.0
+#: After this many shape/field changes a handle counts as ragged: its blocks hold one record
+#: (a block sized for one shape would be handed over after one record anyway).
+RAGGED_AFTER = 2
+
+
+class _Block:
+    """Records of one handle with the same field names, shapes, dtypes and devices."""
+
+    __slots__ = ("names", "srcs", "bufs", "steps", "calls", "n", "cap", "nbytes", "events", "cuda",
+                 "since", "stats")
+
+    def __init__(self, names: list[str], srcs: list[tuple], bufs: list[torch.Tensor], cap: int,
+                 cuda: bool, stats: bool) -> None:
+        self.names = names
+        self.srcs = srcs  # (shape, dtype, is_cuda) of each source tensor
+        self.bufs = bufs
+        self.steps: list[int] = []
+        self.calls: list[int] = []
+        self.n = 0
+        self.cap = cap
+        self.nbytes = sum(b.nbytes for b in bufs)
+        self.events: list[Any] = []
+        self.cuda = cuda
+        self.since = time.monotonic()
+        self.stats = stats
+
+    def matches(self, names: list[str], tensors: list[torch.Tensor]) -> bool:
+        if names != self.names:
+            return False
+        for t, (shape, dtype, cuda) in zip(tensors, self.srcs):
+            if t.shape != shape or t.dtype != dtype or t.is_cuda != cuda:
+                return False
+        return True
+
+
+class BlockPacker:
+    """Per-handle blocks of captured records, handed to the writer when full (or on demand).
+
+    Args:
+        write_block: ``RunWriter.write_block``-compatible callable ``(handle_id, steps, calls,
+            fields) -> bool``.
+        pool: host buffers reused across blocks (warm pages; pinned for CUDA sources).
+        max_open_bytes: when the blocks being filled hold more than this, all of them are handed
+            over (partly filled): bounds the memory held outside the writer's budget.
+        event_factory: creates an object with ``record()``, ``query()`` and ``synchronize()``;
+            defaults to ``torch.cuda.Event``. Injectable so the pending logic is testable on CPU.
+        max_age_s: see :data:`MAX_AGE_S`.
+    """
+
+    def __init__(
+        self,
+        write_block: Callable[[str, list[int], list[int], dict[str, Any]], bool],
+        pool: BufferPool,
+        *,
+        max_open_bytes: int = 128 << 20,
+        event_factory: Callable[[], Any] | None = None,
+        max_age_s: float = MAX_AGE_S,
+    ) -> None:
+        self._write_block = write_block
+        self.pool = pool
+        self.max_open_bytes = max_open_bytes
+        self.max_age_s = max_age_s
+        self._event_factory = event_factory or (lambda: torch.cuda.Event())
+        self._open: dict[str, _Block] = {}
+        self._open_bytes = 0
+        self._oldest: float | None = None
+        self._changes: dict[str, int] = {}
+        # Blocks handed over but waiting for device copies (or behind such a block: order kept).
+        self._pending: deque[tuple[str, _Block]] = deque()
+
+    @property
+    def pending(self) -> int:
+        """Blocks whose device copies have not completed yet."""
+        return len(self._pending)
+
+    @property
+    def open_records(self) -> int:
+        """Records captured but not yet handed to the writer."""
+        return sum(b.n for b in self._open.values()) + sum(b.n for _, b in self._pending)
+
+    def add(self, handle_id: str, step: int, call: int, names: list[str], tensors: list[torch.Tensor],
+            cast: torch.dtype | None = None, stats: bool = False) -> None:
+        """Copy one record's tensors into its handle's open block.
+
+        Args:
+            handle_id: the writer handle.
+            step, call: the record's step and call index.
+            names: field names, one per tensor.
+            tensors: detached tensors (CPU or CUDA); copied, so the caller may modify them later.
+            cast: store floating tensors in this dtype (the copy converts; bit-identical to
+                ``tensor.to(cast)``).
+            stats: the tensors are packed stats (:func:`compute_stats`), split into fields when
+                the block is handed over.
+        """
+        blk = self._open.get(handle_id)
+        if blk is None or not blk.matches(names, tensors):
+            if blk is not None:
+                self._changes[handle_id] = self._changes.get(handle_id, 0) + 1
+                self._hand_over(handle_id)
+            blk = self._new_block(handle_id, names, tensors, cast, stats)
+        i = blk.n
+        for buf, t in zip(blk.bufs, tensors):
+            buf[i].copy_(t, non_blocking=blk.cuda)
+        if blk.cuda:
+            ev = self._event_factory()
+            ev.record()
+            blk.events.append(ev)
+        blk.steps.append(step)
+        blk.calls.append(call)
+        blk.n = i + 1
+        if blk.n == blk.cap:
+            self._hand_over(handle_id)
+        elif self._pending:
+            self._poll()
+
+    def _new_block(self, handle_id: str, names: list[str], tensors: list[torch.Tensor],
+                   cast: torch.dtype | None, stats: bool) -> _Block:
+        cuda = any(t.is_cuda for t in tensors)
+        dtypes = [cast if cast is not None and t.is_floating_point() else t.dtype for t in tensors]
+        record_bytes = sum(t.numel() * dt.itemsize for t, dt in zip(tensors, dtypes))
+        if self._changes.get(handle_id, 0) >= RAGGED_AFTER:
+            cap = 1
+        else:
+            cap = min(BLOCK_MAX_RECORDS, chunk_records(max(1, record_bytes)))
+        bufs = [self.pool.take(torch.Size((cap, *t.shape)), dt, pin=cuda) for t, dt in zip(tensors, dtypes)]
+        blk = _Block(list(names), [(t.shape, t.dtype, t.is_cuda) for t in tensors], bufs, cap, cuda, stats)
+        self._open[handle_id] = blk
+        self._open_bytes += blk.nbytes
+        if self._oldest is None:
+            self._oldest = blk.since
+        if self._open_bytes > self.max_open_bytes:
+            self.hand_over_all(keep=handle_id)
+        return blk
+
+    def _hand_over(self, handle_id: str) -> None:
+        blk = self._open.pop(handle_id)
+        self._open_bytes -= blk.nbytes
+        if not self._open:
+            self._oldest = None
+        if blk.n == 0:
+            for buf in blk.bufs:
+                self.pool.give(buf)
+            return
+        if blk.events or self._pending:
+            self._pending.append((handle_id, blk))
+            self._poll()
+        else:
+            self._write(handle_id, blk)
+
+    def hand_over_all(self, keep: str | None = None) -> None:
+        """Hand every open block to the writer (or the device-copy queue), partly filled or not."""
+        for hid in [h for h in self._open if h != keep]:
+            self._hand_over(hid)
+        self._oldest = min((b.since for b in self._open.values()), default=None)
+
+    def hand_over_stale(self) -> None:
+        """Hand over the open blocks if the oldest waited :attr:`max_age_s` (call per step)."""
+        if self._oldest is not None and time.monotonic() - self._oldest >= self.max_age_s:
+            self.hand_over_all()
+        if self._pending:
+            self._poll()
+
+    def _poll(self) -> None:
+        while self._pending and all(ev.query() for ev in self._pending[0][1].events):
+            hid, blk = self._pending.popleft()
+            self._write(hid, blk)
+
+    def drain(self) -> None:
+        """Hand over every block and wait for pending device copies (flush/close)."""
+        self.hand_over_all()
+        while self._pending:
+            hid, blk = self._pending.popleft()
+            for ev in blk.events:
+                ev.synchronize()
+            self._write(hid, blk)
+
+    def _write(self, handle_id: str, blk: _Block) -> None:
+        n = blk.n
+        fields: dict[str, Any] = {}
+        if blk.stats:
+            for name, buf in zip(blk.names, blk.bufs):
+                fields.update(split_stats(name, buf[:n].numpy()))  # copies: buffer free now
+            for buf in blk.bufs:
+                self.pool.give(buf)
+        else:
+            give = self.pool.give
+            for name, buf in zip(blk.names, blk.bufs):
+                value = to_field(buf[:n] if n < blk.cap else buf)
+                # Back to the pool once the writer dropped every numpy view of the buffer: views
+                # chain to the array whose base is the tensor (numpy collapses view bases to it),
+                # so its finalizer runs only after the last view is gone.
+                owner = value[0] if isinstance(value, tuple) else value
+                while isinstance(owner.base, np.ndarray):
+                    owner = owner.base
+                weakref.finalize(owner, give, buf)
+                fields[name] = value
+        self._write_block(handle_id, blk.steps, blk.calls, fields)  # drops are counted by the writer
