@@ -16,6 +16,7 @@ import torch
 
 from hookline.storage.errors import InvalidArgumentError
 
+from .pytree import _index_paths
 from .stats import StatsSpec, compute_stats
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -157,16 +158,19 @@ def field_tensors(
     tensors: list[torch.Tensor] = []
     skipped: list[str] = []
     stats = options.mode == "stats"
+    k = options.batch_slice
     for prefix, leaves in groups:
-        paths = getattr(leaves, "paths", None) or tuple(str(i) for i in range(len(leaves)))
-        skipped.extend(f"{prefix}.{p}" for p in getattr(leaves, "skipped", ()))
-        for path, t in zip(paths, leaves):
-            name = f"{prefix}.{path}"
+        paths = getattr(leaves, "paths", None) or _index_paths(len(leaves))
+        group_names = _names(prefix, paths)
+        leaf_skipped = getattr(leaves, "skipped", ())
+        if leaf_skipped:
+            skipped.extend(f"{prefix}.{p}" for p in leaf_skipped)
+        for name, t in zip(group_names, leaves):
             if t is None:
                 skipped.append(name)
                 continue
-            if options.batch_slice is not None and t.dim() > 0:
-                t = t[: options.batch_slice]
+            if k is not None and t.dim() > 0:
+                t = t[:k]
             t = t.detach()
             if stats:
                 if options.dtype is not None and t.is_floating_point() and t.dtype != options.dtype:
@@ -175,3 +179,17 @@ def field_tensors(
             names.append(name)
             tensors.append(t)
     return names, tensors, skipped
+
+
+_NAME_CACHE: dict[tuple[str, tuple[str, ...]], tuple[str, ...]] = {}
+
+
+def _names(prefix: str, paths: tuple[str, ...]) -> tuple[str, ...]:
+    """Field names ``<prefix>.<path>`` (cached: a module's paths rarely change between calls)."""
+    key = (prefix, paths)
+    names = _NAME_CACHE.get(key)
+    if names is None:
+        names = tuple(f"{prefix}.{p}" for p in paths)
+        if len(_NAME_CACHE) < 4096:  # bounded: paths of dict outputs could vary without end
+            _NAME_CACHE[key] = names
+    return names

@@ -109,7 +109,8 @@ class Recorder:
         run_dir: directory of the run (created; must not already hold a run).
         every: record every N-th step (``step % every == 0``). Default 1.
         steps: explicit steps to record instead of ``every``.
-        max_buffer_mb: memory budget for data captured but not yet on disk.
+        max_buffer_mb: memory budget for data captured but not yet on disk: the blocks being
+            filled (at most a quarter of it, and at most 64 MB) plus what the writer holds.
         policy: ``"block"`` (wait for the disk) or ``"drop"`` (drop records, counted) when the
             budget is exhausted.
         compression: storage compression (``None``, ``"gzip"``, ``"lzf"``, ``"zstd"``, ``"lz4"``).
@@ -168,9 +169,14 @@ class Recorder:
         if mlflow_run_id is not None:
             run_meta["mlflow_run_id"] = mlflow_run_id
 
+        if isinstance(max_buffer_mb, bool) or not isinstance(max_buffer_mb, (int, float)) or not max_buffer_mb > 0:
+            raise InvalidArgumentError(f"max_buffer_mb must be a positive number, got {max_buffer_mb!r}")
+        # The budget covers the blocks being filled (tracker/packer.py) and the writer's queue.
+        budget = int(max_buffer_mb * 2**20)
+        open_bytes = min(budget // 4, 64 << 20)
         self._writer = RunWriter(
             self.run_dir,
-            max_buffer_mb=max_buffer_mb,
+            max_buffer_mb=(budget - open_bytes) / 2**20,
             policy=policy,
             compression=compression,
             rank=rank,
@@ -192,11 +198,9 @@ class Recorder:
         self._hook_seconds: dict[str, float] = {}
         self._skipped: dict[str, list[str]] = {}
         # Records are packed into chunk-sized host blocks (reused buffers: warm pages) and
-        # handed to the writer a block at a time; the blocks being filled hold at most a
-        # quarter of the budget on top of it.
-        budget = int(max_buffer_mb * 2**20)
+        # handed to the writer a block at a time.
         self._pool = BufferPool(max_bytes=min(budget, 256 << 20))
-        self._packer = BlockPacker(self._writer.write_block, self._pool, max_open_bytes=budget // 4)
+        self._packer = BlockPacker(self._writer.write_block, self._pool, max_open_bytes=open_bytes)
         self.inputs = CaptureHook(self, CaptureOptions("inputs"))
         self.outputs = CaptureHook(self, CaptureOptions("outputs"))
         self.grads = CaptureHook(self, CaptureOptions("grads"))
