@@ -1011,9 +1011,16 @@ class RunWriter:
 
     def _seal(self, h: _Handle, fsync: bool) -> None:
         """Write everything staged of ``h``'s open segment, close it and rename it to ``.h5seg``."""
+        done = self._finish_segment(h)
+        if done is not None:
+            self._publish_segments([done], fsync)
+
+    def _finish_segment(self, h: _Handle) -> tuple[_Handle, Path, int, int] | None:
+        """Write what is staged of ``h``'s open segment and its indexes; close the file (still
+        ``.partial``). Returns ``(h, partial path, start, end)`` for :meth:`_publish_segments`."""
         seg = h.seg
         if seg is None:
-            return
+            return None
         self._current_path = seg.partial
         w = seg.writer
         for sf in seg.fields.values():
@@ -1028,19 +1035,41 @@ class RunWriter:
                 out.shapes.append(np.asarray(sf.shapes, np.int64).reshape(len(sf.shapes), sf.spec.ndim))
         w.add_index(np.asarray(seg.steps, np.int64), np.asarray(seg.calls, np.int64))
         w.finish()
-        end = seg.start + len(seg.steps)
-        final = self.run_dir / segment_name(h.key, h.suffix, seg.start, end)
-        _publish(seg.partial, final, fsync)
         h.seg = None
-        with self._seg_lock:
-            h.sealed.append(_Seg(seg.start, end, final, final.stat().st_size))
-        h.stats.flushed = end
+        self._current_path = None
+        return h, seg.partial, seg.start, seg.start + len(seg.steps)
+
+    def _publish_segments(self, done: list[tuple[_Handle, Path, int, int]], fsync: bool) -> None:
+        """fsync finished segments, rename them to ``.h5seg``, then fsync each directory once
+        (not once per file: a flush of many handles mostly shares one or two directories)."""
+        if fsync:
+            for d in done:
+                self._current_path = d[1]
+                fsync_file(d[1])
+        dirs = set()
+        for h, partial, start, end in done:
+            final = self.run_dir / segment_name(h.key, h.suffix, start, end)
+            self._current_path = partial
+            os.replace(partial, final)
+            dirs.add(final.parent)
+            with self._seg_lock:
+                h.sealed.append(_Seg(start, end, final, final.stat().st_size))
+            h.stats.flushed = end
+        if fsync:
+            for d in dirs:
+                fsync_dir(d)
         self._current_path = None
 
     def _flush_all(self, fsync: bool) -> None:
-        for h in list(self._handles.values()):
-            if h.seg is not None:
-                self._seal(h, fsync)
+        done = []
+        try:
+            for h in list(self._handles.values()):
+                d = self._finish_segment(h)
+                if d is not None:
+                    done.append(d)
+        finally:  # segments finished before a failure are still published
+            if done:
+                self._publish_segments(done, fsync)
         self._write_manifest("open")
         self._last_flush = time.monotonic()
         with self._compact_cond:
