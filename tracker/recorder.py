@@ -390,7 +390,12 @@ class Recorder:
             self._mlflow.submit(self.run_dir)  # per-step metrics so far, in the background
 
     def summary(self) -> RecorderSummary:
-        """Per-handle records, bytes, drops and time spent in hooks so far."""
+        """Per-handle records, bytes, drops and time spent in hooks so far.
+
+        Counts come from the writer: records still in a block being filled (at most one block
+        per handle, handed over within ~1 s at a step boundary) are not counted yet; call
+        :meth:`flush` first for exact numbers mid-run. After :meth:`close` they are exact.
+        """
         storage = self._writer.stats()
         handles = {}
         for hid, seconds in self._hook_seconds.items():

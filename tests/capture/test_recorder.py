@@ -477,3 +477,42 @@ def test_write_error_surfaces_at_next_step_and_keeps_flushed(tmp_path, monkeypat
     assert not model._forward_hooks  # close still removed the hooks
     monkeypatch.undo()
     assert list(open_run(tmp_path / "run")["outputs[lin]"].steps) == [0, 1, 2]
+
+
+def test_budget_covers_open_blocks_and_writer_queue(tmp_path):
+    """max_buffer_mb bounds both: a quarter for blocks being filled, the rest for the writer."""
+    model = nn.Sequential(*[nn.Linear(256, 256) for _ in range(12)])
+    mgr = HookManager()
+    rec = Recorder(tmp_path / "run", max_buffer_mb=8)
+    assert rec._writer.max_buffer_bytes == 6 << 20 and rec._packer.max_open_bytes == 2 << 20
+    mgr.register_forward_hook(rec.outputs, **dict(model.named_children()))
+    peak_open = 0
+    with torch.no_grad():
+        for step in range(40):
+            with rec.step(step):
+                model(torch.randn(64, 256))  # 12 x 64 KiB per step; a full block is 1 MiB
+            peak_open = max(peak_open, rec._packer._open_bytes)
+    summary = rec.close()
+    assert peak_open <= 2 << 20
+    assert summary.storage.peak_buffer_bytes <= 6 << 20
+    run = open_run(tmp_path / "run")
+    assert all(len(run[h].steps) == 40 for h in run.handles)
+
+
+def test_partly_filled_blocks_reach_the_writer_at_the_next_step_once_stale(tmp_path):
+    model = nn.Linear(4, 8)  # tiny records: a block would hold 256 of them
+    mgr = HookManager()
+    rec = Recorder(tmp_path / "run")
+    mgr.register_forward_hook(rec.outputs, lin=model)
+    with rec.step(0):
+        model(torch.randn(2, 4))
+    rec.set_step(1)
+    assert rec.summary().records == 0  # still in its block: younger than MAX_AGE_S
+    rec._packer.max_age_s = 0.0
+    with rec.step(2):
+        model(torch.randn(2, 4))
+    rec.set_step(3)  # the step boundary hands the stale block over
+    assert rec.summary().records == 2
+    rec.flush()
+    assert list(open_run(tmp_path / "run")["outputs[lin]"].steps) == [0, 2]
+    rec.close()
