@@ -489,12 +489,12 @@ class RunWriter:
         h = self._open_handle(handle_id)
         st = np.asarray(steps)
         ca = np.asarray(calls)
+        if st.size == 0 and ca.size == 0:
+            raise InvalidArgumentError(f"write_block({handle_id!r}): empty block (no steps); write at least one record")
         if st.ndim != 1 or ca.shape != st.shape or st.dtype.kind not in "iu" or ca.dtype.kind not in "iu":
             raise InvalidArgumentError(
                 f"write_block({handle_id!r}): steps and calls must be 1-D integer sequences of the same "
                 f"length, got steps {st.dtype} {st.shape} and calls {ca.dtype} {ca.shape}")
-        if len(st) == 0:
-            raise InvalidArgumentError(f"write_block({handle_id!r}): empty block (no steps); write at least one record")
         if (st < 0).any() or (ca < 0).any():
             raise InvalidArgumentError(
                 f"write_block({handle_id!r}): steps and calls must be non-negative, got steps "

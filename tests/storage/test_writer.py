@@ -329,3 +329,49 @@ def test_second_writer_on_same_run_is_refused(run_dir):
     RunWriter(run_dir, rank=1, world_size=2).close()  # another rank is fine
     w.close()
     RunWriter(run_dir).close()  # released by close
+
+
+def test_write_block_equals_record_writes_fixed_and_ragged(run_dir, tmp_path):
+    """A block of k records stores exactly what k write() calls store, also when the field
+    turns ragged between blocks (the segment is sealed and the rest is stored ragged)."""
+    rng = np.random.default_rng(0)
+    blocks = [rng.standard_normal((3, 4, 5)).astype(np.float32),   # fixed (4, 5)
+              rng.standard_normal((2, 6, 5)).astype(np.float32),   # shape changes: ragged
+              rng.standard_normal((4, 6, 5)).astype(np.float32)]   # a multi-record ragged block
+    ref_dir = tmp_path / "ref"
+    with RunWriter(run_dir) as w, RunWriter(ref_dir) as ref:
+        for x in (w, ref):
+            x.add_handle(HID)
+        step = 0
+        for b in blocks:
+            steps = list(range(step, step + len(b)))
+            assert w.write_block(HID, steps, [0] * len(b), {"outputs.0": b, "ids": np.arange(len(b))})
+            for j, s in enumerate(steps):
+                ref.write(HID, s, 0, {"outputs.0": b[j], "ids": np.int64(j)})
+            step += len(b)
+    got, want = open_run(run_dir)[HID], open_run(ref_dir)[HID]
+    assert list(got.steps) == list(want.steps) == list(range(9))
+    f, g = got["outputs.0"], want["outputs.0"]
+    assert f.ragged and g.ragged
+    for i in range(9):
+        np.testing.assert_array_equal(f[i], g[i])
+    np.testing.assert_allclose(f.norms(), g.norms(), rtol=1e-6)
+    np.testing.assert_array_equal(got["ids"].read(), [0, 1, 2, 0, 1, 0, 1, 2, 3])
+
+
+@pytest.mark.parametrize("steps, calls, fields, match", [
+    ([0, 1], [0], {"f": np.ones((2, 3))}, "same length"),
+    ([], [], {"f": np.ones((0, 3))}, "empty block"),
+    ([0, -1], [0, 0], {"f": np.ones((2, 3))}, "non-negative"),
+    ([0.5, 1], [0, 0], {"f": np.ones((2, 3))}, "integer"),
+    ([0, 1], [0, 0], {"f": np.ones((3, 3))}, r"shape \(2, \.\.\.\), got shape \(3, 3\)"),
+    ([0, 1], [0, 0], {"f": np.float32(1.0)}, r"shape \(2, \.\.\.\)"),
+])
+def test_write_block_rejects_bad_blocks_before_queueing(run_dir, steps, calls, fields, match):
+    with RunWriter(run_dir) as w:
+        w.add_handle(HID)
+        with pytest.raises(InvalidArgumentError, match=match):
+            w.write_block(HID, steps, calls, fields)
+        assert w.stats().records == 0
+        with pytest.raises(UnknownNameError, match="nope"):
+            w.write_block("nope", [0], [0], {"f": np.ones((1, 2))})
