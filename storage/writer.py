@@ -30,7 +30,7 @@ from typing import Any, Callable, Mapping, Union
 import numpy as np
 
 from . import dtypes
-from ._h5file import FieldSpec, HandleFileWriter, Part, Writeback, compression_kwargs, merge_parts, open_part
+from ._h5file import FieldSpec, HandleFileWriter, Writeback, compression_kwargs, merge_parts, open_part
 from ._segments import discover_files
 from .errors import (
     HookTypeError,

@@ -12,7 +12,7 @@ import torch
 from hookline.storage import RunWriter, open_run
 from hookline.storage.format import chunk_records
 from hookline.tracker.convert import BufferPool
-from hookline.tracker.packer import BLOCK_MAX_RECORDS, RAGGED_AFTER, BlockPacker, _Block
+from hookline.tracker.packer import RAGGED_AFTER, BlockPacker, _Block
 
 
 class Calls:

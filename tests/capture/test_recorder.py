@@ -8,7 +8,6 @@ with hookline's own code.
 from __future__ import annotations
 
 import copy
-import dataclasses
 from collections import defaultdict
 
 import numpy as np

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from _mlflow_support import LINEAR, RELU, HandleSpec, append_records, build_run, sha256
 
-from hookline.storage import InvalidArgumentError, TrackingError, UnknownNameError, handle_key
+from hookline.storage import InvalidArgumentError, TrackingError, UnknownNameError
 from hookline.storage.mlflow_adapter import (
     MlflowAdapter,
     metric_key,

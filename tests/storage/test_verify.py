@@ -9,7 +9,7 @@ import shutil
 import numpy as np
 import pytest
 
-from hookline.storage import RunWriter, open_run, verify
+from hookline.storage import open_run, verify
 from _storage_support import GID, HID, record_value, wait_for_partial, write_std_run
 
 

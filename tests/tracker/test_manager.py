@@ -10,7 +10,6 @@ from hookline.tracker import (
     DuplicateNameError,
     HookFunction,
     HooklineError,
-    HookManager,
     HookTypeError,
     InvalidArgumentError,
     UnknownNameError,
