@@ -198,8 +198,10 @@ class Recorder:
         self._hook_seconds: dict[str, float] = {}
         self._skipped: dict[str, list[str]] = {}
         # Records are packed into chunk-sized host blocks (reused buffers: warm pages) and
-        # handed to the writer a block at a time.
-        self._pool = BufferPool(max_bytes=min(budget, 256 << 20))
+        # handed to the writer a block at a time. Free buffers kept for reuse are bounded like
+        # the open blocks, so memory stays within the budget + 64 MB (SPEC §8) even when
+        # ragged shapes leave pooled buffers that no later block can use.
+        self._pool = BufferPool(max_bytes=open_bytes)
         self._packer = BlockPacker(self._writer.write_block, self._pool, max_open_bytes=open_bytes)
         self.inputs = CaptureHook(self, CaptureOptions("inputs"))
         self.outputs = CaptureHook(self, CaptureOptions("outputs"))

@@ -484,6 +484,7 @@ def test_budget_covers_open_blocks_and_writer_queue(tmp_path):
     mgr = HookManager()
     rec = Recorder(tmp_path / "run", max_buffer_mb=8)
     assert rec._writer.max_buffer_bytes == 6 << 20 and rec._packer.max_open_bytes == 2 << 20
+    assert rec._pool.max_bytes == 2 << 20  # free buffers kept for reuse: bounded alike
     mgr.register_forward_hook(rec.outputs, **dict(model.named_children()))
     peak_open = 0
     with torch.no_grad():
