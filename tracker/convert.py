@@ -7,6 +7,7 @@ handed in must already be a private copy (see :mod:`hookline.tracker.packer`).
 
 from __future__ import annotations
 
+import threading
 from collections import deque
 from typing import Union
 
@@ -55,7 +56,8 @@ class BufferPool:
     A fresh allocation per capture costs page faults on first touch (``clone()`` into fresh pages
     runs at a fraction of the speed of a copy into warm memory). The recorder returns a buffer
     with :meth:`give` once the writer has dropped the array that views it (a ``weakref.finalize``
-    on that array, which may run on the writer thread; ``deque`` operations are thread-safe).
+    on that array, which may run on the writer thread: hence the lock, which keeps the byte count
+    exact over a long run).
 
     Args:
         max_bytes: at most this many bytes are kept for reuse; beyond it buffers are freed.
@@ -65,18 +67,16 @@ class BufferPool:
         self.max_bytes = max_bytes
         self._free: dict[tuple, deque[torch.Tensor]] = {}
         self._bytes = 0
+        self._lock = threading.Lock()
         self._pinned_ever = False  # is_pinned() costs ~5 us: only ask once pinned buffers exist
         self.reused = 0  # statistics (tests, benchmarks)
 
     def take(self, shape: torch.Size, dtype: torch.dtype, pin: bool = False) -> torch.Tensor:
         """A contiguous buffer of this shape and dtype: reused when one is free, else new."""
-        q = self._free.get((tuple(shape), dtype, pin))
-        if q:
-            try:
+        with self._lock:
+            q = self._free.get((tuple(shape), dtype, pin))
+            if q:
                 buf = q.pop()
-            except IndexError:  # emptied by another thread meanwhile
-                pass
-            else:
                 self._bytes -= buf.nbytes
                 self.reused += 1
                 return buf
@@ -85,10 +85,11 @@ class BufferPool:
         return torch.empty(shape, dtype=dtype, pin_memory=pin)
 
     def give(self, buf: torch.Tensor) -> None:
-        """Return a buffer nobody reads any more."""
-        if self._bytes + buf.nbytes > self.max_bytes:
-            return
+        """Return a buffer nobody reads any more (any thread)."""
         pinned = self._pinned_ever and buf.device.type == "cpu" and buf.is_pinned()
         key = (tuple(buf.shape), buf.dtype, pinned)
-        self._free.setdefault(key, deque()).append(buf)
-        self._bytes += buf.nbytes
+        with self._lock:
+            if self._bytes + buf.nbytes > self.max_bytes:
+                return
+            self._free.setdefault(key, deque()).append(buf)
+            self._bytes += buf.nbytes

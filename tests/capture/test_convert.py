@@ -65,3 +65,24 @@ def test_buffer_pool_is_bounded():
     assert pool.take(torch.Size([8]), torch.float64) is not None and pool.reused == 1
     pool.take(torch.Size([8]), torch.float64)
     assert pool.reused == 1
+
+
+def test_buffer_pool_byte_count_stays_exact_under_concurrent_give_and_take():
+    """give() runs on the writer thread (finalizers) while take() runs on the training thread."""
+    import threading
+
+    pool = BufferPool(max_bytes=1 << 30)
+    bufs = [torch.empty(16) for _ in range(64)]
+
+    def giver():
+        for _ in range(200):
+            for b in bufs:
+                pool.give(b)
+
+    t = threading.Thread(target=giver)
+    t.start()
+    for _ in range(20000):
+        pool.take(torch.Size([16]), torch.float32)
+    t.join()
+    held = sum(b.nbytes for q in pool._free.values() for b in q)
+    assert pool._bytes == held
