@@ -16,6 +16,7 @@ on later captures and waited for in :meth:`BlockPacker.drain`. This keeps
 
 from __future__ import annotations
 
+import threading
 import time
 import weakref
 from collections import deque
@@ -107,6 +108,9 @@ class BlockPacker:
         self._changes: dict[str, int] = {}
         # Blocks handed over but waiting for device copies (or behind such a block: order kept).
         self._pending: deque[tuple[str, _Block]] = deque()
+        # Backward hooks of CUDA tensors run on autograd's device threads (one per device), so
+        # records may arrive from several threads; uncontended, the lock costs well under 1 us.
+        self._lock = threading.RLock()
 
     @property
     def pending(self) -> int:
@@ -132,6 +136,11 @@ class BlockPacker:
             stats: the tensors are packed stats (:func:`compute_stats`), split into fields when
                 the block is handed over.
         """
+        with self._lock:
+            self._add(handle_id, step, call, names, tensors, cast, stats)
+
+    def _add(self, handle_id: str, step: int, call: int, names: list[str], tensors: list[torch.Tensor],
+             cast: torch.dtype | None, stats: bool) -> None:
         blk = self._open.get(handle_id)
         if blk is None or not blk.matches(names, tensors):
             if blk is not None:
@@ -189,16 +198,18 @@ class BlockPacker:
 
     def hand_over_all(self, keep: str | None = None) -> None:
         """Hand every open block to the writer (or the device-copy queue), partly filled or not."""
-        for hid in [h for h in self._open if h != keep]:
-            self._hand_over(hid)
-        self._oldest = min((b.since for b in self._open.values()), default=None)
+        with self._lock:
+            for hid in [h for h in self._open if h != keep]:
+                self._hand_over(hid)
+            self._oldest = min((b.since for b in self._open.values()), default=None)
 
     def hand_over_stale(self) -> None:
         """Hand over the open blocks if the oldest waited :attr:`max_age_s` (call per step)."""
-        if self._oldest is not None and time.monotonic() - self._oldest >= self.max_age_s:
-            self.hand_over_all()
-        if self._pending:
-            self._poll()
+        with self._lock:
+            if self._oldest is not None and time.monotonic() - self._oldest >= self.max_age_s:
+                self.hand_over_all()
+            if self._pending:
+                self._poll()
 
     def _poll(self) -> None:
         while self._pending and all(ev.query() for ev in self._pending[0][1].events):
@@ -207,12 +218,13 @@ class BlockPacker:
 
     def drain(self) -> None:
         """Hand over every block and wait for pending device copies (flush/close)."""
-        self.hand_over_all()
-        while self._pending:
-            hid, blk = self._pending.popleft()
-            for ev in blk.events:
-                ev.synchronize()
-            self._write(hid, blk)
+        with self._lock:
+            self.hand_over_all()
+            while self._pending:
+                hid, blk = self._pending.popleft()
+                for ev in blk.events:
+                    ev.synchronize()
+                self._write(hid, blk)
 
     def _write(self, handle_id: str, blk: _Block) -> None:
         n = blk.n
