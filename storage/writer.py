@@ -896,10 +896,7 @@ class RunWriter:
                 arr = np.ascontiguousarray(arr, dtype=arr.dtype.newbyteorder("="))
             if sf.spec.info.storage != arr.dtype:
                 arr = arr.view(sf.spec.info.storage)  # signed bits -> unsigned storage, same width
-            if k == 1:
-                sf.records.append(rec)
-            else:
-                sf.records.extend(range(rec, rec + k))
+            sf.records.extend(range(rec, rec + k))
             if sf.spec.ragged:
                 for one in arr:
                     if sf.spec.info.has_norm:
@@ -1040,24 +1037,14 @@ class RunWriter:
         return h, seg.partial, seg.start, seg.start + len(seg.steps)
 
     def _publish_segments(self, done: list[tuple[_Handle, Path, int, int]], fsync: bool) -> None:
-        """fsync finished segments, rename them to ``.h5seg``, then fsync each directory once
-        (not once per file: a flush of many handles mostly shares one or two directories)."""
-        if fsync:
-            for d in done:
-                self._current_path = d[1]
-                fsync_file(d[1])
-        dirs = set()
-        for h, partial, start, end in done:
-            final = self.run_dir / segment_name(h.key, h.suffix, start, end)
-            self._current_path = partial
-            os.replace(partial, final)
-            dirs.add(final.parent)
+        """Publish finished segments as ``.h5seg`` files and add them to their handles."""
+        finals = [self.run_dir / segment_name(h.key, h.suffix, start, end) for h, _, start, end in done]
+        self._current_path = done[0][1]
+        _publish([(d[1], final) for d, final in zip(done, finals)], fsync)
+        for (h, _, start, end), final in zip(done, finals):
             with self._seg_lock:
                 h.sealed.append(_Seg(start, end, final, final.stat().st_size))
             h.stats.flushed = end
-        if fsync:
-            for d in dirs:
-                fsync_dir(d)
         self._current_path = None
 
     def _flush_all(self, fsync: bool) -> None:
@@ -1124,7 +1111,7 @@ class RunWriter:
                 HandleFileWriter(tmp, self._file_attrs(h), 0).finish()
             else:
                 self._merge_files(h, [*h.base, *(s.path for s in segs)], tmp)
-            _publish(tmp, final, self.fsync)
+            _publish([(tmp, final)], self.fsync)
             for s in segs:
                 try:
                     os.unlink(s.path)
@@ -1173,7 +1160,7 @@ class RunWriter:
         out = self.run_dir / segment_name(h.key, h.suffix, start, end)
         tmp = out.with_name(out.name + ".partial")
         self._merge_files(h, [s.path for s in run], tmp, record_start=start)
-        _publish(tmp, out, self.fsync)
+        _publish([(tmp, out)], self.fsync)
         with self._seg_lock:
             i = h.sealed.index(run[0])
             h.sealed[i : i + len(run)] = [_Seg(start, end, out, out.stat().st_size)]
@@ -1292,13 +1279,17 @@ def _pick_merge(sizes: list[int]) -> tuple[int, int] | None:
     return (i, n)
 
 
-def _publish(tmp: Path, final: Path, fsync: bool) -> None:
-    """Make a complete file visible under its final name: (fsync,) atomic rename, (fsync dir)."""
+def _publish(pairs: list[tuple[Path, Path]], fsync: bool) -> None:
+    """Make complete files visible under their final names: (fsync each,) atomic renames, (fsync
+    each directory once: a flush of many handles mostly shares one or two directories)."""
     if fsync:
-        fsync_file(tmp)
-    os.replace(tmp, final)
+        for tmp, _ in pairs:
+            fsync_file(tmp)
+    for tmp, final in pairs:
+        os.replace(tmp, final)
     if fsync:
-        fsync_dir(final.parent)
+        for d in {final.parent for _, final in pairs}:
+            fsync_dir(d)
 
 
 def _take(runs: deque, k: int) -> list[np.ndarray]:
