@@ -1,12 +1,15 @@
 """Capture benchmarks (SPEC §8): overhead, throughput, sampling, and what users do today.
 
 Run:  python tests/benchmarks/bench_capture.py [--quick] [--section overhead|throughput]
-                                               [--widths 1024,2048] [--rounds 25]
+                                               [--widths 1024,2048] [--rounds 60]
 
 Prints ratios measured in this one run:
   1. compute-bound model, all Linear outputs + grads every step: step time with capture / without
      (target <= 1.05x), for MLP widths 1024 and 2048 (the wider one computes 4x more per step
-     for 2x the bytes: half the capture rate);
+     for 2x the bytes: half the capture rate). Two reference rows: an A/A control (no hooks,
+     timed like a variant: the noise floor of the machine) and hooks that only clone what they
+     see (the floor of any capture that must copy). Each ratio comes with a bootstrap interval
+     and a verdict that says "unresolved" when the interval spans the target;
   2. non-sampled steps (every=10**9) and deactivated hooks / without (target <= 1.02x);
   3. two IO-bound models (few 4 MiB records; many 64 KiB records): capture throughput / raw
      numpy ``tofile`` of the same bytes (target >= 0.7x) and / a naive per-record h5py hook
@@ -25,6 +28,7 @@ import gc
 import os
 import resource
 import shutil
+import random
 import statistics
 import tempfile
 import time
@@ -49,17 +53,24 @@ def mlp(width: int, depth: int) -> torch.nn.Sequential:
     return torch.nn.Sequential(*layers)
 
 
-def paired_ratio(run, variants: dict, rounds: int, steps: int) -> dict[str, tuple[float, float]]:
-    """Median step time per variant and median of per-round ratios to the baseline.
+def paired_ratio(run, variants: dict, rounds: int, steps: int, seed: int = 0) -> dict[str, dict]:
+    """Step time per variant and its ratio to the baseline, paired within rounds.
 
-    Every round times ``steps`` steps of the baseline and of each variant back to back (wall
-    time, after one warm-up step each), so drift of the machine cancels in the ratios.
-    ``variants`` maps a name to ``(enter, leave)`` callables that switch the variant on and off;
-    ``set_step`` keeps a running step counter for recorders.
+    Every round times ``steps`` steps of the baseline, of an identical second baseline (the A/A
+    control: how far two identical setups drift apart on this machine) and of each variant, in a
+    random order (so no variant always follows the baseline, or a capture's background writes),
+    after one warm-up step each. Ratios are taken within a round, so drift of the machine
+    between rounds cancels. ``variants`` maps a name to ``(enter, leave)`` callables that switch
+    the variant on and off; ``counter`` keeps a running step number for recorders.
+
+    Returns:
+        name -> ``{"time": median step time, "ratio": median per-round ratio, "lo", "hi":
+        bootstrap 90% interval of that median}``, with ``"base"`` and ``"A/A"`` included.
     """
+    rng = random.Random(seed)
     counter = [0]
-    times: dict[str, list[float]] = {"base": [], **{k: [] for k in variants}}
-    ratios: dict[str, list[float]] = {k: [] for k in variants}
+    everything = {"base": (None, None), "A/A": (None, None), **variants}
+    times: dict[str, list[float]] = {k: [] for k in everything}
 
     def timed(enter=None, leave=None) -> float:
         if enter:
@@ -73,20 +84,30 @@ def paired_ratio(run, variants: dict, rounds: int, steps: int) -> dict[str, tupl
             leave()
         return dt
 
+    names = list(everything)
     for _ in range(rounds):
-        b = timed()
-        times["base"].append(b)
-        for k, (enter, leave) in variants.items():
-            v = timed(enter, leave)
-            times[k].append(v)
-            ratios[k].append(v / b)
-    out = {"base": (statistics.median(times["base"]), 1.0)}
-    for k in variants:
-        out[k] = (statistics.median(times[k]), statistics.median(ratios[k]))
+        rng.shuffle(names)
+        for k in names:
+            times[k].append(timed(*everything[k]))
+    out = {}
+    for k in everything:
+        ratios = [v / b for v, b in zip(times[k], times["base"])]
+        med = statistics.median(ratios)
+        boot = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(2000))
+        out[k] = {"time": statistics.median(times[k]), "ratio": med, "lo": boot[100], "hi": boot[1899]}
     return out
 
 
-def bench_overhead(tmp: Path, rounds: int, width: int = 1024) -> None:
+def verdict(r: dict, target: float) -> str:
+    """'met' / 'NOT met' when the 90% interval lies on one side of the target, else 'unresolved'."""
+    if r["hi"] <= target:
+        return "met"
+    if r["lo"] > target:
+        return "NOT met"
+    return "unresolved (interval spans the target: more --rounds)"
+
+
+def bench_overhead(tmp: Path, rounds: int, width: int = 1024, steps: int = 5) -> None:
     torch.manual_seed(0)
     model = mlp(width, 4)
     x = torch.randn(64, width)
@@ -128,20 +149,42 @@ def bench_overhead(tmp: Path, rounds: int, width: int = 1024) -> None:
     noop.register_forward_hook(lambda m, i, o: None, hook_fn_name="noop", **lin)
     noop.register_backward_hook(lambda m, gi, go: None, hook_fn_name="noopb", **lin)
     noop.deactivate_all_hooks()
-    res = paired_ratio(run, {"capture": cap_v, "skipped": skip_v,
-                             "deactivated": (lambda c: None, lambda: None)}, rounds, 10)
+    # The floor of any capture that must copy (the tensors may be modified in place later):
+    # the same manager hooks, each cloning what it sees into a short list; no writer, no disk.
+    kept: list[torch.Tensor] = []
+
+    def keep(*groups) -> None:
+        kept.extend(t.detach().clone() for g in groups for t in g if t is not None)
+        del kept[:-32]
+
+    floor = HookManager()
+    floor.register_forward_hook(lambda m, i, o: keep(o), hook_fn_name="clonef", **lin)
+    floor.register_backward_hook(lambda m, gi, go: keep(gi, go), hook_fn_name="cloneb", **lin)
+    floor.deactivate_all_hooks()
+    floor_v = (lambda c: floor.activate_all_hooks(), lambda: (floor.deactivate_all_hooks(), kept.clear()))
+    res = paired_ratio(run, {"capture": cap_v, "floor": floor_v, "skipped": skip_v,
+                             "deactivated": (lambda c: None, lambda: None)}, rounds, steps)
     cap.close()
     skip.close()
     noop.remove_all_hooks()
+    floor.remove_all_hooks()
     per_step_mb = (4 * 3 - 1) * 64 * width * 4 / 2**20  # the first Linear has no grad_in
-    b = res["base"][0]
+    b = res["base"]["time"]
     print(f"[overhead] MLP 4x Linear({width}) batch 64, {per_step_mb:.1f} MB captured per step "
-          f"({per_step_mb / b:.0f} MB/s of capture); median of {rounds} paired rounds of 10 steps")
+          f"({per_step_mb / b:.0f} MB/s of capture); median of {rounds} rounds of {steps} steps, "
+          f"random order per round; [90% bootstrap interval]")
     print(f"  step without hooks           {b * 1e3:8.2f} ms")
-    for k, label, target in (("capture", "capture every step", "1.05"), ("skipped", "capture, non-sampled steps", "1.02"),
-                             ("deactivated", "deactivated hooks", "1.02")):
-        t, r = res[k]
-        print(f"  {label:<28} {t * 1e3:8.2f} ms  ratio {r:.3f}x (target <= {target}x)")
+    for k, label, target in (("A/A", "no hooks again (A/A control)", None),
+                             ("floor", "hooks that only clone (floor)", None),
+                             ("capture", "capture every step", 1.05),
+                             ("skipped", "capture, non-sampled steps", 1.02),
+                             ("deactivated", "deactivated hooks", 1.02)):
+        r = res[k]
+        line = (f"  {label:<28} {r['time'] * 1e3:8.2f} ms  ratio {r['ratio']:.3f}x "
+                f"[{r['lo']:.3f}, {r['hi']:.3f}]")
+        if target is not None:
+            line += f"  target <= {target}x: {verdict(r, target)}"
+        print(line)
 
 
 def io_model():
@@ -283,7 +326,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="fewer steps (smoke run)")
     ap.add_argument("--dir", default=None, help="directory on the disk to measure (default: a temp dir)")
     ap.add_argument("--section", choices=("all", "overhead", "throughput"), default="all")
-    ap.add_argument("--rounds", type=int, default=25, help="paired rounds per overhead measurement")
+    ap.add_argument("--rounds", type=int, default=60, help="rounds per overhead measurement (5 steps per variant each)")
     ap.add_argument("--widths", type=lambda v: [int(w) for w in v.split(",")], default=[1024, 2048],
                     help="MLP widths of the overhead runs (default 1024,2048: 110 and 55 MB/s of capture)")
     args = ap.parse_args()
