@@ -130,15 +130,17 @@ def parse_segment(file_name: str, base: str) -> SegmentName | None:
 
 
 def check_field_name(name: Any) -> str:
-    """Validate a field name: a non-empty str, no ``/``, not ``step``/``call``, not starting with ``_``.
+    """Validate a field name: a non-empty str without ``/`` or NUL, not ``.``/``..`` (HDF5 path
+    components), not ``step``/``call``, not starting with ``_``.
 
     Raises:
         InvalidArgumentError: with the offending name.
     """
-    if not isinstance(name, str) or not name or "/" in name or name.startswith("_") or name in _RESERVED:
+    if (not isinstance(name, str) or not name or "/" in name or "\x00" in name or name in (".", "..")
+            or name.startswith("_") or name in _RESERVED):
         raise InvalidArgumentError(
-            f"invalid field name {name!r}: use a non-empty string without '/', not starting with '_' "
-            f"and not 'step'/'call' (e.g. 'outputs.0')"
+            f"invalid field name {name!r}: use a non-empty string without '/' or NUL, not '.' or '..', "
+            f"not starting with '_' and not 'step'/'call' (e.g. 'outputs.0')"
         )
     return name
 

@@ -66,6 +66,7 @@ _POLICIES = ("block", "drop")
 _PIECE_BYTES = 8 << 20
 #: Longest time a record waits in the queue before the writer thread takes it (see write()).
 WAKE_LATENCY_S = 0.2
+_INT64_MAX = 2**63 - 1  # steps and calls are stored as int64
 #: Merge this many similar-sized trailing segments into one (compaction fan-in).
 COMPACT_FANIN = 8
 #: No compaction while a handle has fewer sealed segments (each merge copies data; a few dozen
@@ -459,9 +460,10 @@ class RunWriter:
         h = self._open_handle(handle_id)
         step = int(operator.index(step))
         call = int(operator.index(call))
-        if step < 0 or call < 0:
+        if not (0 <= step <= _INT64_MAX and 0 <= call <= _INT64_MAX):
             raise InvalidArgumentError(
-                f"step and call must be non-negative ints, got step={step!r}, call={call!r} for {handle_id!r}")
+                f"step and call must be non-negative ints up to 2**63 - 1 (stored as int64), got step={step!r}, "
+                f"call={call!r} for {handle_id!r}")
         return self._put(h, [step], [call], fields, None)
 
     def write_block(self, handle_id: str, steps: Any, calls: Any, fields: Mapping[str, FieldValue]) -> bool:
@@ -495,10 +497,11 @@ class RunWriter:
             raise InvalidArgumentError(
                 f"write_block({handle_id!r}): steps and calls must be 1-D integer sequences of the same "
                 f"length, got steps {st.dtype} {st.shape} and calls {ca.dtype} {ca.shape}")
-        if (st < 0).any() or (ca < 0).any():
+        too_big = any(a.dtype == np.uint64 and bool((a > _INT64_MAX).any()) for a in (st, ca))
+        if too_big or (st < 0).any() or (ca < 0).any():
             raise InvalidArgumentError(
-                f"write_block({handle_id!r}): steps and calls must be non-negative, got steps "
-                f"{st.tolist()[:8]} calls {ca.tolist()[:8]}")
+                f"write_block({handle_id!r}): steps and calls must be non-negative ints up to 2**63 - 1 (stored as "
+                f"int64), got steps {st.tolist()[:8]} calls {ca.tolist()[:8]}")
         return self._put(h, st.tolist(), ca.tolist(), fields, len(st))
 
     def _open_handle(self, handle_id: str) -> _Handle:
@@ -565,6 +568,9 @@ class RunWriter:
         with self._cond:
             if self._error is not None:
                 raise self._error
+            if self._closed or self._closing:  # close() began after _open_handle's unlocked check
+                raise WriterClosedError(f"RunWriter for {str(self.run_dir)!r} was closed during write(); "
+                                        f"the record was not queued")
             if self._pending and self._pending + nbytes > self.max_buffer_bytes:
                 if self.policy == "drop":
                     h.stats.dropped += n
@@ -876,7 +882,7 @@ class RunWriter:
                 if seg is not None and name in seg.fields and not seg.fields[name].spec.ragged:
                     need_seal = True
         if need_seal:
-            self._seal(h, fsync=False)
+            self._seal(h, fsync=self.fsync)  # flush() will not see this segment again
             seg = None
         if seg is None:
             seg = self._open_segment(h)
@@ -984,7 +990,7 @@ class RunWriter:
 
     def _staged_total(self) -> int:
         total = 0
-        for h in self._handles.values():
+        for h in list(self._handles.values()):  # snapshot: add_handle() inserts concurrently
             if h.seg is not None:
                 total += sum(sf.staged_bytes for sf in h.seg.fields.values())
         return total
@@ -994,7 +1000,7 @@ class RunWriter:
         limit = self.max_buffer_bytes // 2
         with self._cond:
             waiting = self._waiting
-        staged = [(sf.staged_bytes, h, sf) for h in self._handles.values() if h.seg is not None
+        staged = [(sf.staged_bytes, h, sf) for h in list(self._handles.values()) if h.seg is not None
                   for sf in h.seg.fields.values() if sf.staged_bytes]
         total = sum(s[0] for s in staged)
         if not waiting and total <= limit:
@@ -1067,7 +1073,7 @@ class RunWriter:
             raise e
 
     def _abort_all(self) -> None:
-        for h in self._handles.values():
+        for h in list(self._handles.values()):
             if h.seg is not None:
                 h.seg.writer.abort()
                 h.seg = None
@@ -1089,7 +1095,7 @@ class RunWriter:
         if self._compact_error is not None:
             raise self._compact_error
         if self.merge_on_close:
-            for h in self._handles.values():
+            for h in list(self._handles.values()):
                 self._finalize(h)
         self._write_manifest("closed")
 

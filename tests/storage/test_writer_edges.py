@@ -1,0 +1,129 @@
+"""RunWriter edge cases found in review: races with close()/add_handle(), values HDF5 cannot
+store, and the fsync of a segment sealed by a shape change."""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import hookline.storage.writer as writer_mod
+from hookline.storage import InvalidArgumentError, RunWriter, WriterClosedError, open_run
+
+HID = "outputs[fc]"
+
+
+def test_write_racing_close_is_either_stored_or_refused(tmp_path):
+    """Every write() that returned True while close() ran is on disk (before the fix, a record
+    queued behind the close item was acknowledged and silently lost in most trials)."""
+    for trial in range(8):
+        d = tmp_path / f"r{trial}"
+        w = RunWriter(d, fsync=False)
+        w.add_handle(HID)
+        accepted = [0]
+        fields = {f"f{j}": np.ones(2, np.float32) for j in range(20)}  # a wide validation window
+
+        def produce() -> None:
+            i = 0
+            while True:
+                try:
+                    if w.write(HID, i, 0, fields):
+                        accepted[0] += 1
+                except WriterClosedError:
+                    return
+                i += 1
+
+        t = threading.Thread(target=produce)
+        t.start()
+        time.sleep(0.01)
+        stats = w.close()
+        t.join()
+        with open_run(d) as run:
+            on_disk = len(run[HID])
+        assert on_disk == accepted[0] == stats.handles[HID].records, trial
+
+
+def test_add_handle_while_the_writer_works(tmp_path):
+    """add_handle() from the caller while the writer thread walks its handles (the writer
+    thread died of 'dictionary changed size during iteration' before)."""
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # many thread switches: makes the race show within a second
+    try:
+        w = RunWriter(tmp_path / "r", fsync=False, max_buffer_mb=1)
+        for i in range(100):
+            w.add_handle(f"outputs[m{i}]")
+        stop = threading.Event()
+        added = [0]
+
+        def add() -> None:
+            while not stop.is_set():
+                w.add_handle(f"grads[n{added[0]}]")
+                added[0] += 1
+                time.sleep(0.0005)
+
+        t = threading.Thread(target=add)
+        t.start()
+        try:
+            t0 = time.monotonic()
+            while time.monotonic() - t0 < 1.5:
+                for i in range(100):
+                    w.write(f"outputs[m{i}]", 0, 0, {"x": np.ones(1024, np.float32)})
+                w.raise_if_failed()
+        finally:
+            stop.set()
+            t.join()
+        stats = w.close()
+    finally:
+        sys.setswitchinterval(old)
+    assert added[0] > 10
+    assert stats.handles["outputs[m0]"].records > 0 and stats.dropped == 0
+
+
+@pytest.mark.parametrize("step, call", [(2**63, 0), (0, 2**63), (2**64, 0)])
+def test_steps_beyond_int64_are_refused_and_lose_nothing(tmp_path, step, call):
+    w = RunWriter(tmp_path / "r", fsync=False)
+    w.add_handle(HID)
+    w.write(HID, 0, 0, {"x": np.ones(3, np.float32)})
+    with pytest.raises(InvalidArgumentError, match=r"2\*\*63 - 1"):
+        w.write(HID, step, call, {"x": np.ones(3, np.float32)})
+    big = np.array([step], dtype=np.uint64) if step < 2**64 else [step]
+    with pytest.raises(InvalidArgumentError):
+        w.write_block(HID, big, np.array([call], dtype=np.uint64) if call < 2**64 else [call],
+                      {"x": np.ones((1, 3), np.float32)})
+    w.close()
+    with open_run(tmp_path / "r") as run:
+        assert len(run[HID]) == 1  # the good record survived
+
+
+@pytest.mark.parametrize("name", [".", "..", "a\x00b"])
+def test_field_names_hdf5_cannot_store_are_refused(tmp_path, name):
+    w = RunWriter(tmp_path / "r", fsync=False)
+    w.add_handle(HID)
+    w.write(HID, 0, 0, {"x": np.ones(3, np.float32)})
+    with pytest.raises(InvalidArgumentError, match="invalid field name"):
+        w.write(HID, 1, 0, {name: np.ones(3, np.float32)})
+    w.close()
+    with open_run(tmp_path / "r") as run:
+        assert len(run[HID]) == 1
+
+
+def test_segment_sealed_by_a_shape_change_is_fsynced(tmp_path, monkeypatch):
+    """flush() promises fsynced data: that includes the segment a shape change sealed earlier."""
+    synced: list[str] = []
+    real = writer_mod.fsync_file
+    monkeypatch.setattr(writer_mod, "fsync_file", lambda p: (synced.append(os.path.basename(p)), real(p))[1])
+    d = tmp_path / "r"
+    w = RunWriter(d)  # fsync=True (the default)
+    w.add_handle(HID)
+    w.write(HID, 0, 0, {"x": np.ones(4, np.float32)})
+    w.write(HID, 1, 0, {"x": np.ones(5, np.float32)})  # shape change: seals the first segment
+    w.flush()
+    segs = sorted(p.name for p in (d / "outputs").iterdir() if p.name.endswith(".h5seg"))
+    assert len(segs) == 2
+    starts = {s.split(".r")[1][:12] for s in synced}
+    assert all(s.split(".r")[1][:12] in starts for s in segs), (segs, synced)
+    w.close()
