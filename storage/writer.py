@@ -407,6 +407,14 @@ class RunWriter:
             except (TypeError, ValueError) as e:
                 raise HookTypeError(f"meta of handle {handle_id!r} is not JSON-serialisable: {e}") from None
             h = _Handle(handle_id, key, self._suffix, info)
+            # A continued run: fields keep the dtype and ndim they were recorded with (checked
+            # in write(), so a mismatch is a clear error now, not a failed merge at close).
+            for name, f in self._old_handles.get(handle_id, {}).get("fields", {}).items():
+                if isinstance(f, dict) and isinstance(f.get("dtype"), str):
+                    h.field_dtype[name] = f["dtype"]
+                    ndim = f.get("ndim", len(f["shape"]) if isinstance(f.get("shape"), list) else None)
+                    if isinstance(ndim, int):
+                        h.field_ndim[name] = ndim
             self._handles[handle_id] = h
             self._order.append(handle_id)
             self._stats.handles[handle_id] = h.stats
@@ -835,6 +843,14 @@ class RunWriter:
                 h.base.append(path)
             else:
                 h.sealed.append(_Seg(rel.start, rel.end, path, path.stat().st_size))
+        for rel in parts.superseded:
+            # Inputs of a merge whose output was renamed into place before a crash: every record
+            # is in a covering file, so they go now (close() promises one file per handle).
+            if any(c.start <= rel.start and rel.end <= c.end for c in parts.cover):
+                try:
+                    os.remove(self.run_dir / rel.name)
+                except FileNotFoundError:
+                    pass
         h.next_record = parts.end
         h.stats.flushed = parts.end
         self._dirty = True
@@ -1189,7 +1205,7 @@ class RunWriter:
                     prev = fields.get(name)
                     if prev is not None and prev.get("shape") != shape:
                         shape = None
-                    fields[name] = {"dtype": dn, "shape": shape}
+                    fields[name] = {"dtype": dn, "shape": shape, "ndim": h.field_ndim.get(name)}
             steps = old.get("steps")
             if h.steps_min is not None:
                 lo, hi = h.steps_min, h.steps_max

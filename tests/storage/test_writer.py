@@ -74,8 +74,8 @@ def test_layout_plain_h5py_and_manifest(run_dir):
     e = m["handles"][HID]
     assert e["file"] == "outputs/blocks.0.h5" and e["key"] == "outputs/blocks.0"
     assert e["records"] == 30 and e["dropped"] == 0 and e["steps"] == [0, 29]
-    assert e["fields"] == {"outputs.0": {"dtype": "float32", "shape": [8, 16]},
-                           "outputs.1": {"dtype": "int64", "shape": None}}
+    assert e["fields"] == {"outputs.0": {"dtype": "float32", "shape": [8, 16], "ndim": 2},
+                           "outputs.1": {"dtype": "int64", "shape": None, "ndim": 1}}
     assert m["handles"][GID]["fields"]["grad_out.0"]["shape"] == [8, 16]
 
 

@@ -127,3 +127,60 @@ def test_segment_sealed_by_a_shape_change_is_fsynced(tmp_path, monkeypatch):
     starts = {s.split(".r")[1][:12] for s in synced}
     assert all(s.split(".r")[1][:12] in starts for s in segs), (segs, synced)
     w.close()
+
+
+def test_continued_run_keeps_each_fields_dtype_and_ndim(tmp_path):
+    """A second writer on the same run refuses a field's new dtype/ndim up front (before, the
+    write was accepted and close() failed merging, leaving a .partial)."""
+    d = tmp_path / "r"
+    with RunWriter(d, fsync=False) as w:
+        w.add_handle(HID)
+        for i in range(3):
+            w.write(HID, i, 0, {"outputs.0": np.ones(4, np.float32)})
+    with RunWriter(d, fsync=False) as w:
+        w.add_handle(HID)
+        with pytest.raises(InvalidArgumentError, match="changed dtype from float32 to float64"):
+            w.write(HID, 3, 0, {"outputs.0": np.ones(4, np.float64)})
+        with pytest.raises(InvalidArgumentError, match="changed ndim from 1 to 2"):
+            w.write(HID, 3, 0, {"outputs.0": np.ones((2, 2), np.float32)})
+        w.write(HID, 3, 0, {"outputs.0": np.ones(5, np.float32)})  # same dtype/ndim: fine (ragged)
+    with open_run(d) as run:
+        assert list(run[HID].steps) == [0, 1, 2, 3]
+    assert not any(p.name.endswith(".partial") for p in (d / "outputs").iterdir())
+
+
+def test_continuing_after_a_crash_inside_a_merge_removes_superseded_segments(tmp_path):
+    """A crash after close()'s merged file was renamed into place but before its inputs were
+    deleted leaves both; the next writer on the run removes the covered segments."""
+    import subprocess
+    import textwrap
+
+    d = tmp_path / "r"
+    child = textwrap.dedent(f"""
+        import os
+        import numpy as np
+        from hookline.storage import RunWriter
+        w = RunWriter({str(d)!r})
+        w.add_handle({HID!r})
+        for i in range(3):
+            w.write({HID!r}, i, 0, {{"x": np.full(4, i, np.float32)}})
+            w.flush()
+        real = os.unlink
+        def unlink(p, *a, **k):
+            if str(p).endswith(".h5seg"):
+                os._exit(9)  # the merged file is in place, its inputs are not deleted yet
+            return real(p, *a, **k)
+        os.unlink = unlink
+        os.remove = unlink
+        w.close()
+    """)
+    assert subprocess.run([sys.executable, "-c", child]).returncode == 9
+    names = sorted(p.name for p in (d / "outputs").iterdir())
+    assert "fc.h5" in names and any(n.endswith(".h5seg") for n in names), names
+    with RunWriter(d) as w:
+        w.add_handle(HID)
+        w.write(HID, 3, 0, {"x": np.full(4, 3, np.float32)})
+    names = sorted(p.name for p in (d / "outputs").iterdir())
+    assert names == ["fc.h5"], names
+    with open_run(d) as run:
+        assert [float(run[HID]["x"][j][0]) for j in range(4)] == [0.0, 1.0, 2.0, 3.0]
