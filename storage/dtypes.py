@@ -206,7 +206,7 @@ def to_torch(stored: np.ndarray, name: str) -> Any:
     """
     import torch
 
-    arr = np.ascontiguousarray(stored)
+    arr = np.ascontiguousarray(stored).reshape(np.shape(stored))  # ascontiguousarray makes 0-d 1-d
     if name == "bfloat16":
         return torch.from_numpy(arr.view(np.int16).copy()).view(torch.bfloat16)
     if name in _FLOAT8:

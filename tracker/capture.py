@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from hookline.storage.errors import InvalidArgumentError
+from hookline.storage.errors import HookTypeError, InvalidArgumentError
 
 from .pytree import _index_paths
 from .stats import StatsSpec, compute_stats
@@ -31,6 +31,7 @@ KIND_CATEGORIES = {
     "grads": ("backward_hook",),
 }
 _MODES = ("tensor", "stats")
+_CATEGORY = {"outputs": "forward_hook", "grads": "backward_hook"}  # "inputs": pre or forward
 
 
 @dataclass(frozen=True)
@@ -81,8 +82,6 @@ class _Binding:
     handle: Any
     handle_id: str
     category: str
-    step: int | None = None  # step of the last record (for call numbering)
-    calls: int = 0
     suspended: bool = False  # deactivated by the recorder (not by the user) on a skipped step
 
 
@@ -96,7 +95,9 @@ class CaptureHook:
         self._recorder = recorder
         self.options = options
         self.name = name or options.default_name()
-        self._bindings: dict[int, _Binding] = {}  # id(module) -> binding
+        # (id(module), category) -> binding: rec.inputs may be a pre hook and a forward hook
+        # of the same module at once.
+        self._bindings: dict[tuple[int, str], _Binding] = {}
 
     def __repr__(self) -> str:
         return self.name
@@ -112,27 +113,31 @@ class CaptureHook:
                 f"{' or '.join('register_' + c for c in KIND_CATEGORIES[self.options.kind])}"
             )
         binding = _Binding(handle=handle, handle_id=handle.name, category=category)
-        self._bindings[id(handle.module)] = binding
+        self._bindings[(id(handle.module), category)] = binding
         self._recorder._bind(self, binding)
 
     def _hookline_unbind(self, handle: Any) -> None:
         """Called by HookManager when a handle of this hook is removed."""
-        binding = self._bindings.get(id(handle.module))
+        key = (id(handle.module), handle.hook_fn.category)
+        binding = self._bindings.get(key)
         if binding is not None and binding.handle is handle:
-            del self._bindings[id(handle.module)]
+            del self._bindings[key]
             self._recorder._unbind(self, binding)
 
     # --- hook entry points --------------------------------------------------------------
     def __call__(self, module: torch.nn.Module, *args: Any) -> None:
         t0 = time.perf_counter_ns()
-        binding = self._bindings.get(id(module))
+        kind = self.options.kind
+        # The manager calls pre hooks with (inputs,), forward hooks with (inputs, outputs) and
+        # backward hooks with (grad_in, grad_out).
+        category = _CATEGORY.get(kind) or ("forward_pre_hook" if len(args) == 1 else "forward_hook")
+        binding = self._bindings.get((id(module), category))
         if binding is None:
             raise InvalidArgumentError(
                 f"recorder hook {self.name!r} fired for a module it was not registered on through a "
                 f"HookManager ({type(module).__name__}); register it with "
                 f"HookManager.register_*_hook(rec.{self.options.kind}, ...)"
             )
-        kind = self.options.kind
         if kind == "grads":
             groups = (("grad_in", args[0]), ("grad_out", args[1]))
         elif kind == "inputs":
@@ -169,6 +174,8 @@ def field_tensors(
             if t is None:
                 skipped.append(name)
                 continue
+            if t.layout is not _STRIDED or t.is_quantized or t.is_meta:
+                _refuse_layout(name, t)
             if k is not None and t.dim() > 0:
                 t = t[:k]
             t = t.detach()
@@ -179,6 +186,17 @@ def field_tensors(
             names.append(name)
             tensors.append(t)
     return names, tensors, skipped
+
+
+_STRIDED = torch.strided
+
+
+def _refuse_layout(name: str, t: torch.Tensor) -> None:
+    what = "quantized" if t.is_quantized else "meta" if t.is_meta else str(t.layout).removeprefix("torch.")
+    raise HookTypeError(
+        f"field {name!r} is a {what} tensor, which hookline cannot record (dense strided tensors "
+        f"only); convert it in the module (to_dense()/dequantize()) or do not hook this module"
+    )
 
 
 _NAME_CACHE: dict[tuple[str, tuple[str, ...]], tuple[str, ...]] = {}

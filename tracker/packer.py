@@ -40,6 +40,8 @@ MAX_AGE_S = 1.0
 #: After this many shape/field changes a handle counts as ragged: its blocks hold one record
 #: (a block sized for one shape would be handed over after one record anyway).
 RAGGED_AFTER = 2
+#: ... and counts as fixed again after this many consecutive records of one shape.
+RAGGED_RESET = 64
 
 
 class _Block:
@@ -106,6 +108,7 @@ class BlockPacker:
         self._open_bytes = 0
         self._oldest: float | None = None
         self._changes: dict[str, int] = {}
+        self._last_sig: dict[str, tuple[Any, int]] = {}  # ragged handles: last signature, repeats
         # Blocks handed over but waiting for device copies (or behind such a block: order kept).
         self._pending: deque[tuple[str, _Block]] = deque()
         # Backward hooks of CUDA tensors run on autograd's device threads (one per device), so
@@ -169,6 +172,15 @@ class BlockPacker:
         record_bytes = sum(t.numel() * dt.itemsize for t, dt in zip(tensors, dtypes))
         if self._changes.get(handle_id, 0) >= RAGGED_AFTER:
             cap = 1
+            # Ragged handles whose shape settles (one short last batch per epoch made them
+            # ragged) get full blocks again after RAGGED_RESET records of one signature.
+            sig = (tuple(names), tuple((t.shape, t.dtype, t.is_cuda) for t in tensors))
+            last, same = self._last_sig.get(handle_id, (None, 0))
+            same = same + 1 if sig == last else 1
+            self._last_sig[handle_id] = (sig, same)
+            if same >= RAGGED_RESET:
+                self._changes[handle_id] = 0
+                del self._last_sig[handle_id]
         else:
             cap = min(BLOCK_MAX_RECORDS, chunk_records(max(1, record_bytes)))
         bufs = [self.pool.take(torch.Size((cap, *t.shape)), dt, pin=cuda) for t, dt in zip(tensors, dtypes)]
@@ -199,9 +211,15 @@ class BlockPacker:
     def hand_over_all(self, keep: str | None = None) -> None:
         """Hand every open block to the writer (or the device-copy queue), partly filled or not."""
         with self._lock:
+            failure: Exception | None = None
             for hid in [h for h in self._open if h != keep]:
-                self._hand_over(hid)
+                try:
+                    self._hand_over(hid)
+                except Exception as e:  # a block the writer refused: the others still go
+                    failure = failure or e
             self._oldest = min((b.since for b in self._open.values()), default=None)
+            if failure is not None:
+                raise failure
 
     def hand_over_stale(self) -> None:
         """Hand over the open blocks if the oldest waited :attr:`max_age_s` (call per step)."""
@@ -219,12 +237,21 @@ class BlockPacker:
     def drain(self) -> None:
         """Hand over every block and wait for pending device copies (flush/close)."""
         with self._lock:
-            self.hand_over_all()
+            failure: Exception | None = None
+            try:
+                self.hand_over_all()
+            except Exception as e:
+                failure = e
             while self._pending:
                 hid, blk = self._pending.popleft()
                 for ev in blk.events:
                     ev.synchronize()
-                self._write(hid, blk)
+                try:
+                    self._write(hid, blk)
+                except Exception as e:  # as in hand_over_all: one refused block loses no other
+                    failure = failure or e
+            if failure is not None:
+                raise failure
 
     def _write(self, handle_id: str, blk: _Block) -> None:
         n = blk.n

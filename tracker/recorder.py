@@ -80,9 +80,13 @@ class RecorderSummary:
         return "\n".join(lines)
 
 
+#: Steps per handle whose call counters are kept (see Recorder._capture).
+_CALL_STEPS = 64
+
+
 def _check_step(n: Any) -> int:
-    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
-        raise InvalidArgumentError(f"step must be a non-negative int, got {n!r}")
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not 0 <= n <= 2**63 - 1:
+        raise InvalidArgumentError(f"step must be a non-negative int up to 2**63 - 1 (stored as int64), got {n!r}")
     return int(n)
 
 
@@ -153,10 +157,15 @@ class Recorder:
                 raise InvalidArgumentError(
                     f"give either every={every!r} or steps=..., not both"
                 )
+            if isinstance(steps, (str, bytes)) or not isinstance(steps, Iterable):
+                raise InvalidArgumentError(
+                    f"steps must be an iterable of step numbers (e.g. range(0, 1000, 50)), got {steps!r}")
             steps = frozenset(_check_step(s) for s in steps)
         self.every = every
         self.steps = steps
         self.run_dir = Path(run_dir)
+        if stats is not None and not isinstance(stats, StatsSpec):
+            raise HookTypeError(f"stats must be a StatsSpec (e.g. StatsSpec(bins=64, range=(-8, 8))), got {stats!r}")
         self.stats_spec = stats or StatsSpec()
         self._dist = detect(rank, world_size)
         rank, world_size = self._dist.rank, self._dist.world_size
@@ -169,7 +178,8 @@ class Recorder:
         if mlflow_run_id is not None:
             run_meta["mlflow_run_id"] = mlflow_run_id
 
-        if isinstance(max_buffer_mb, bool) or not isinstance(max_buffer_mb, (int, float)) or not max_buffer_mb > 0:
+        if (isinstance(max_buffer_mb, bool) or not isinstance(max_buffer_mb, (int, float))
+                or not 0 < max_buffer_mb < float("inf")):
             raise InvalidArgumentError(f"max_buffer_mb must be a positive number, got {max_buffer_mb!r}")
         # The budget covers the blocks being filled (tracker/packer.py) and the writer's queue.
         budget = int(max_buffer_mb * 2**20)
@@ -193,6 +203,8 @@ class Recorder:
         self._lock = threading.Lock()
         self._step: int | None = None
         self._sampled = True
+        self._paused = 0  # depth of paused() contexts
+        self._calls: dict[str, dict[int, int]] = {}  # handle id -> step -> next call index
         self._closed = False
         self._bindings: list[tuple[CaptureHook, _Binding]] = []
         self._hook_seconds: dict[str, float] = {}
@@ -296,9 +308,11 @@ class Recorder:
         paused = [b for _, b in self._bindings if b.handle.active]
         for b in paused:
             b.handle.deactivate()
+        self._paused += 1  # also covers handles registered or re-activated meanwhile
         try:
             yield
         finally:
+            self._paused -= 1
             for b in paused:
                 if any(b is bb for _, bb in self._bindings):  # not removed meanwhile
                     b.handle.activate()
@@ -339,6 +353,8 @@ class Recorder:
 
     # --- hot path ---------------------------------------------------------------------------
     def _capture(self, hook: CaptureHook, binding: _Binding, groups: Any, t0: int) -> None:
+        if self._paused:
+            return  # a handle (re)activated inside paused(): records nothing
         step = self._step
         if step is None:
             raise InvalidArgumentError(
@@ -352,20 +368,29 @@ class Recorder:
                 f"remove its hooks (mgr.remove_hook_function(rec.{hook.options.kind})) or record "
                 f"with a new Recorder"
             )
-        if binding.step != step:
-            binding.step, binding.calls = step, 0
-        call = binding.calls
-        binding.calls += 1
+        if not self._sampled:
+            return  # a handle the user activated on a step that is not sampled
+        hid = binding.handle_id
+        with self._lock:  # CUDA backward hooks run on autograd's device threads
+            # Per handle id (not per binding: a hook removed and registered again continues the
+            # count) and per step, for the last _CALL_STEPS steps (a step entered again, e.g. an
+            # evaluation pass reusing the step number, continues its numbering).
+            calls = self._calls.setdefault(hid, {})
+            call = calls.get(step, 0)
+            calls[step] = call + 1
+            if len(calls) > _CALL_STEPS:
+                del calls[next(iter(calls))]
         opts = hook.options
         names, tensors, skipped = field_tensors(groups, opts)
-        hid = binding.handle_id
         if skipped:
             known = self._skipped[hid]
             unseen = [p for p in skipped if p not in known]
             if unseen:  # rare: the first firings of a handle; recorded in the manifest
                 known.extend(unseen)
                 self._writer.update_handle_meta(hid, {"skipped_fields": list(known)})
-        self._packer.add(hid, step, call, names, tensors, opts.dtype, opts.mode == "stats")
+        stats = opts.mode == "stats"
+        # Stats are float64 whatever the dtype option (field_tensors cast before summarising).
+        self._packer.add(hid, step, call, names, tensors, None if stats else opts.dtype, stats)
         self._hook_seconds[hid] += (time.perf_counter_ns() - t0) * 1e-9
 
     # --- lifecycle --------------------------------------------------------------------------

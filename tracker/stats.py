@@ -7,6 +7,8 @@ stats capture never synchronises a CUDA device inside a hook.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 
@@ -26,13 +28,17 @@ class StatsSpec:
     """
 
     def __init__(self, bins: int = 64, range: tuple[float, float] = (-8.0, 8.0)) -> None:
-        lo, hi = float(range[0]), float(range[1])
-        if not isinstance(bins, int) or bins < 1 or not lo < hi:
-            from hookline.storage.errors import InvalidArgumentError
+        from hookline.storage.errors import InvalidArgumentError
 
+        try:
+            lo, hi = (float(v) for v in range)  # exactly two numbers
+        except (TypeError, ValueError):
+            lo = hi = math.nan
+        if (isinstance(bins, bool) or not isinstance(bins, int) or bins < 1 or not lo < hi
+                or not math.isfinite(hi - lo)):
             raise InvalidArgumentError(
-                f"stats histogram needs bins >= 1 and low < high, got bins={bins!r}, "
-                f"range={range!r}; e.g. StatsSpec(bins=64, range=(-8.0, 8.0))"
+                f"stats histogram needs an int bins >= 1 and a finite range low < high, got "
+                f"bins={bins!r}, range={range!r}; e.g. StatsSpec(bins=64, range=(-8.0, 8.0))"
             )
         self.bins, self.low, self.high = bins, lo, hi
 

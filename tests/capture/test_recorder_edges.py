@@ -1,0 +1,206 @@
+"""Recorder edge cases found in review: stats with a cast, failures confined to their handle,
+call numbering, pausing vs sampling, one hook under two categories, layouts, bad arguments."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from hookline.storage import HookTypeError, InvalidArgumentError, open_run
+from hookline.tracker import HookFunctionError, HookManager, Recorder
+from hookline.tracker.packer import RAGGED_RESET
+from hookline.tracker.stats import StatsSpec
+
+
+def steps_calls(run, hid):
+    h = run[hid]
+    return list(zip(h.steps.tolist(), h.calls.tolist()))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_stats_of_a_cast_capture_are_float64(tmp_path, dtype):
+    m = nn.Identity()
+    mgr = HookManager()
+    rec = Recorder(tmp_path / "r")
+    mgr.register_forward_hook(rec.hook("outputs", mode="stats", dtype=dtype), m=m)
+    x = torch.linspace(-3, 3, 4097, dtype=torch.float64) * 1000  # fp16 norms would overflow
+    with rec.step(0):
+        m(x)
+    rec.close()
+    with open_run(tmp_path / "r") as run:
+        h = run[run.handles[0]]
+        cast = x.to(dtype).to(torch.float64).numpy()
+        assert h["outputs.0.norm"].dtype == np.float64
+        assert h["outputs.0.norm"][0] == pytest.approx(float(np.linalg.norm(cast)), rel=1e-12)
+        assert h["outputs.0.hist"][0].sum() == 4097  # every element counted, exactly
+
+
+def test_a_refused_block_loses_no_other_handles_records(tmp_path):
+    """A field whose dtype changes (refused by the writer) fails its own handle only."""
+    a, b = nn.Identity(), nn.Identity()
+    mgr = HookManager()
+    rec = Recorder(tmp_path / "r")
+    mgr.register_forward_hook(rec.outputs, a=a, b=b)
+    with rec.step(0):
+        a(torch.ones(3))
+        b(torch.ones(3))
+    rec.flush()
+    with rec.step(1):
+        a(torch.ones(3, dtype=torch.float64))  # dtype changed: refused at hand-over
+        b(torch.ones(3))
+    with rec.step(2):
+        b(torch.ones(3))
+    with pytest.raises(InvalidArgumentError, match="changed dtype"):
+        rec.close()
+    with open_run(tmp_path / "r") as run:
+        assert run["outputs[b]"].steps.tolist() == [0, 1, 2]
+        assert run["outputs[a]"].steps.tolist() == [0]
+
+
+def test_steps_beyond_int64_are_refused(tmp_path):
+    rec = Recorder(tmp_path / "r")
+    with pytest.raises(InvalidArgumentError, match=r"2\*\*63 - 1"):
+        rec.set_step(2**63)
+    rec.close()
+
+
+def test_call_numbers_never_repeat_within_a_step(tmp_path):
+    m = nn.Identity()
+    mgr = HookManager()
+    rec = Recorder(tmp_path / "r")
+    mgr.register_forward_hook(rec.outputs, m=m)
+    with rec.step(5):
+        m(torch.ones(1))
+        mgr.remove_hook_function(rec.outputs)  # removed and registered again inside the step
+        mgr.register_forward_hook(rec.outputs, m=m)
+        m(torch.ones(1))
+    with rec.step(3):
+        m(torch.ones(1))
+    with rec.step(5):  # a step number entered again
+        m(torch.ones(1))
+    rec.close()
+    with open_run(tmp_path / "r") as run:
+        assert steps_calls(run, "outputs[m]") == [(5, 0), (5, 1), (3, 0), (5, 2)]
+
+
+def test_paused_and_sampling_win_over_handle_state(tmp_path):
+    m = nn.Identity()
+    mgr = HookManager()
+    rec = Recorder(tmp_path / "r", every=2)
+    mgr.register_forward_hook(rec.outputs, m=m)
+    rec.set_step(0)
+    m(torch.ones(2))
+    with rec.paused():
+        rec.set_step(1)  # e.g. an evaluation loop advancing the counter
+    m(torch.ones(2))  # step 1 is not sampled
+    rec.set_step(3)
+    m2 = nn.Identity()
+    with rec.paused():
+        rec.set_step(4)  # sampled, but paused
+        m(torch.ones(2))
+        mgr.register_forward_hook(rec.outputs, m2=m2)  # registered while paused
+        m2(torch.ones(2))
+    rec.set_step(5)
+    mgr.activate_all_hooks()  # by hand, on a step that is not sampled
+    m(torch.ones(2))
+    m2(torch.ones(2))
+    rec.set_step(6)
+    m(torch.ones(2))
+    m2(torch.ones(2))
+    rec.close()
+    with open_run(tmp_path / "r") as run:
+        assert run["outputs[m]"].steps.tolist() == [0, 6]
+        assert run["outputs[m2]"].steps.tolist() == [6]
+
+
+def test_inputs_hook_as_pre_and_forward_hook_of_one_module(tmp_path):
+    m = nn.Linear(2, 2)
+    mgr = HookManager()
+    rec = Recorder(tmp_path / "r")
+    mgr.register_forward_pre_hook(rec.inputs, m=m)
+    mgr.register_forward_hook(rec.inputs, hook_fn_name="inputs_post", m=m)
+    with rec.step(0):
+        m(torch.ones(1, 2))
+    summary = rec.close()
+    assert {k: v.records for k, v in summary.handles.items()} == {"inputs[m]": 1, "inputs_post[m]": 1}
+
+
+@pytest.mark.parametrize("make, what", [
+    (lambda: torch.eye(3).to_sparse(), "sparse_coo"),
+    (lambda: torch.eye(3).to_sparse_csr(), "sparse_csr"),
+    (lambda: torch.empty(3, device="meta"), "meta"),
+    (lambda: torch.quantize_per_tensor(torch.randn(3), 0.1, 0, torch.qint8), "quantized"),
+])
+def test_unsupported_layouts_raise_in_the_hook(tmp_path, make, what):
+    m = nn.Identity()
+    mgr = HookManager()
+    rec = Recorder(tmp_path / "r")
+    mgr.register_forward_hook(rec.outputs, m=m)
+    with rec.step(0):
+        m(torch.ones(3))
+        with pytest.raises(HookFunctionError) as info:
+            m(make())
+    assert isinstance(info.value.__cause__, HookTypeError)
+    assert what in str(info.value.__cause__) and "'outputs.0'" in str(info.value.__cause__)
+    rec.close()
+    with open_run(tmp_path / "r") as run:
+        assert run["outputs[m]"].steps.tolist() == [0]  # the good record is kept
+
+
+def test_scalar_records_read_back_as_scalars(tmp_path):
+    m = nn.Identity()
+    mgr = HookManager()
+    rec = Recorder(tmp_path / "r")
+    mgr.register_forward_hook(rec.outputs, m=m)
+    with rec.step(0):
+        m(torch.tensor(2.5))
+    rec.close()
+    with open_run(tmp_path / "r") as run:
+        t = run["outputs[m]"]["outputs.0"].to_torch(0)
+        assert t.shape == () and t.item() == 2.5
+
+
+def test_a_handle_is_ragged_only_while_its_shape_changes(tmp_path):
+    """One short batch per epoch must not leave a handle on one-record blocks for good."""
+    m = nn.Identity()
+    mgr = HookManager()
+    rec = Recorder(tmp_path / "r")
+    mgr.register_forward_hook(rec.outputs, m=m)
+    blocks: list[int] = []
+    real = rec._packer._write_block
+    rec._packer._write_block = lambda hid, steps, calls, fields: (blocks.append(len(steps)), real(hid, steps, calls, fields))[1]
+    step = 0
+    for batch in (8, 8, 3, 8, 3):  # two short batches: ragged
+        with rec.step(step):
+            m(torch.ones(batch, 4))
+        step += 1
+    for _ in range(RAGGED_RESET + 40):
+        with rec.step(step):
+            m(torch.ones(8, 4))
+        step += 1
+    rec.close()
+    assert max(blocks[-3:]) > 1, blocks[-10:]  # full blocks again
+    with open_run(tmp_path / "r") as run:
+        assert run["outputs[m]"].steps.tolist() == list(range(step))
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    ({"max_buffer_mb": float("inf")}, InvalidArgumentError, "max_buffer_mb"),
+    ({"steps": 5}, InvalidArgumentError, "iterable"),
+    ({"steps": [1, 2**63]}, InvalidArgumentError, "2\\*\\*63"),
+    ({"stats": "x"}, HookTypeError, "StatsSpec"),
+])
+def test_bad_recorder_arguments(tmp_path, kwargs, error, match):
+    with pytest.raises(error, match=match):
+        Recorder(tmp_path / "r", **kwargs)
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"range": (0, float("inf"))}, {"range": (-1e308, 1e308)}, {"range": "ab"}, {"range": (1,)},
+    {"range": None}, {"bins": True}, {"bins": 0},
+])
+def test_bad_stats_spec(kwargs):
+    with pytest.raises(InvalidArgumentError, match="StatsSpec"):
+        StatsSpec(**kwargs)
