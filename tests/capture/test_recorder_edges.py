@@ -14,6 +14,15 @@ from hookline.tracker.packer import RAGGED_RESET
 from hookline.tracker.stats import StatsSpec
 
 
+def recorded_identity(tmp_path, **kwargs):
+    """An nn.Identity whose outputs a new Recorder (run tmp_path/'r') records as 'outputs[m]'."""
+    m = nn.Identity()
+    mgr = HookManager()
+    rec = Recorder(tmp_path / "r", **kwargs)
+    mgr.register_forward_hook(rec.outputs, m=m)
+    return m, mgr, rec
+
+
 def steps_calls(run, hid):
     h = run[hid]
     return list(zip(h.steps.tolist(), h.calls.tolist()))
@@ -67,10 +76,7 @@ def test_steps_beyond_int64_are_refused(tmp_path):
 
 
 def test_call_numbers_never_repeat_within_a_step(tmp_path):
-    m = nn.Identity()
-    mgr = HookManager()
-    rec = Recorder(tmp_path / "r")
-    mgr.register_forward_hook(rec.outputs, m=m)
+    m, mgr, rec = recorded_identity(tmp_path)
     with rec.step(5):
         m(torch.ones(1))
         mgr.remove_hook_function(rec.outputs)  # removed and registered again inside the step
@@ -86,10 +92,7 @@ def test_call_numbers_never_repeat_within_a_step(tmp_path):
 
 
 def test_paused_and_sampling_win_over_handle_state(tmp_path):
-    m = nn.Identity()
-    mgr = HookManager()
-    rec = Recorder(tmp_path / "r", every=2)
-    mgr.register_forward_hook(rec.outputs, m=m)
+    m, mgr, rec = recorded_identity(tmp_path, every=2)
     rec.set_step(0)
     m(torch.ones(2))
     with rec.paused():
@@ -134,10 +137,7 @@ def test_inputs_hook_as_pre_and_forward_hook_of_one_module(tmp_path):
     (lambda: torch.quantize_per_tensor(torch.randn(3), 0.1, 0, torch.qint8), "quantized"),
 ])
 def test_unsupported_layouts_raise_in_the_hook(tmp_path, make, what):
-    m = nn.Identity()
-    mgr = HookManager()
-    rec = Recorder(tmp_path / "r")
-    mgr.register_forward_hook(rec.outputs, m=m)
+    m, mgr, rec = recorded_identity(tmp_path)
     with rec.step(0):
         m(torch.ones(3))
         with pytest.raises(HookFunctionError) as info:
@@ -150,10 +150,7 @@ def test_unsupported_layouts_raise_in_the_hook(tmp_path, make, what):
 
 
 def test_scalar_records_read_back_as_scalars(tmp_path):
-    m = nn.Identity()
-    mgr = HookManager()
-    rec = Recorder(tmp_path / "r")
-    mgr.register_forward_hook(rec.outputs, m=m)
+    m, mgr, rec = recorded_identity(tmp_path)
     with rec.step(0):
         m(torch.tensor(2.5))
     rec.close()
@@ -164,10 +161,7 @@ def test_scalar_records_read_back_as_scalars(tmp_path):
 
 def test_a_handle_is_ragged_only_while_its_shape_changes(tmp_path):
     """One short batch per epoch must not leave a handle on one-record blocks for good."""
-    m = nn.Identity()
-    mgr = HookManager()
-    rec = Recorder(tmp_path / "r")
-    mgr.register_forward_hook(rec.outputs, m=m)
+    m, mgr, rec = recorded_identity(tmp_path)
     blocks: list[int] = []
     real = rec._packer._write_block
     rec._packer._write_block = lambda hid, steps, calls, fields: (blocks.append(len(steps)), real(hid, steps, calls, fields))[1]
