@@ -212,6 +212,19 @@ def _short(e: BaseException, limit: int = 240) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+#: What to do about a background failure, by errno (the message quotes the cause either way).
+_FIXES = {
+    _errno.ENOSPC: "free disk space",
+    _errno.EDQUOT: "free space within your disk quota",
+    _errno.EMFILE: ("raise the open-file limit (ulimit -n; the writer keeps one file per handle "
+                    "open between flushes) or record fewer handles"),
+    _errno.ENFILE: "close other files (the system's open-file table is full)",
+    _errno.EIO: "check the device (an I/O error)",
+    _errno.EROFS: "record to a writable file system",
+    _errno.EACCES: "make the run directory writable",
+}
+
+
 def _errno_of(e: BaseException) -> int | None:
     n = getattr(e, "errno", None)
     if isinstance(n, int):
@@ -727,7 +740,7 @@ class RunWriter:
             code = f" [errno {n} {_errno.errorcode.get(n, '?')}: {os.strerror(n)}]" if n else ""
             err = StorageError(
                 f"hookline writer failed{where}{code}: {type(e).__name__}: {_short(e)}. Records flushed before this "
-                f"error are safe; free disk space / fix the device and start a new writer",
+                f"error are safe; {_FIXES.get(n, 'fix the cause')} and start a new writer",
             )
             if n:
                 err.errno = n

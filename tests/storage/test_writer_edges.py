@@ -184,3 +184,38 @@ def test_continuing_after_a_crash_inside_a_merge_removes_superseded_segments(tmp
     assert names == ["fc.h5"], names
     with open_run(d) as run:
         assert [float(run[HID]["x"][j][0]) for j in range(4)] == [0.0, 1.0, 2.0, 3.0]
+
+
+def test_too_many_open_files_says_what_to_do(tmp_path):
+    """The writer keeps one file per handle open between flushes: past the open-file limit the
+    error names it and the fix, and what was flushed before stays readable."""
+    import subprocess
+    import textwrap
+
+    d = tmp_path / "r"
+    child = textwrap.dedent(f"""
+        import resource
+        import numpy as np
+        from hookline.storage import RunWriter, StorageError
+        w = RunWriter({str(d)!r}, fsync=False)
+        w.add_handle("outputs[h0]")
+        w.write("outputs[h0]", 0, 0, {{"x": np.ones(3, np.float32)}})
+        w.flush()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (64, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+        for i in range(1, 100):
+            w.add_handle(f"outputs[h{{i}}]")
+            w.write(f"outputs[h{{i}}]", 0, 0, {{"x": np.ones(3, np.float32)}})
+        try:
+            w.flush()
+        except StorageError as e:
+            print("ERRNO", e.errno, str(e))
+        try:
+            w.close()
+        except StorageError:
+            pass
+    """)
+    out = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=120)
+    assert "ERRNO 24" in out.stdout, out.stdout + out.stderr
+    assert "ulimit -n" in out.stdout
+    with open_run(d) as run:
+        assert len(run["outputs[h0]"]) == 1
