@@ -161,7 +161,7 @@ def bench_overhead(tmp: Path, rounds: int, width: int = 1024, steps: int = 5) ->
                 buf = fixed.get((*key, j))
                 if buf is None:
                     buf = fixed[(*key, j)] = torch.empty_like(t)
-                buf.copy_(t)
+                buf.copy_(t.detach())  # detached: else autograd records the copy
 
     floor = HookManager()
     floor.register_forward_hook(lambda m, i, o: copy((id(m), "f"), o), hook_fn_name="copyf", **lin)
