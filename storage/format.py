@@ -28,6 +28,7 @@ from .errors import FormatError, InvalidArgumentError
 
 __all__ = [
     "FORMAT_VERSION",
+    "MAX_STEP",
     "FILE_FORMAT",
     "RUN_FORMAT",
     "INDEX_GROUP",
@@ -65,6 +66,8 @@ _MAX_CHUNK_RECORDS = 1 << 16
 #: Records of this size range get exactly one chunk each.
 RECORD_CHUNK_MIN = 1 << 20
 RECORD_CHUNK_MAX = 4 << 20
+#: Largest step or call number (both are stored as int64).
+MAX_STEP = 2**63 - 1
 _RESERVED = {"step", "call"}
 
 

@@ -41,6 +41,7 @@ from .errors import (
 )
 from .format import (
     FORMAT_VERSION,
+    MAX_STEP,
     RUN_FORMAT,
     atomic_write_json,
     check_field_name,
@@ -66,7 +67,6 @@ _POLICIES = ("block", "drop")
 _PIECE_BYTES = 8 << 20
 #: Longest time a record waits in the queue before the writer thread takes it (see write()).
 WAKE_LATENCY_S = 0.2
-_INT64_MAX = 2**63 - 1  # steps and calls are stored as int64
 #: Merge this many similar-sized trailing segments into one (compaction fan-in).
 COMPACT_FANIN = 8
 #: No compaction while a handle has fewer sealed segments (each merge copies data; a few dozen
@@ -481,7 +481,7 @@ class RunWriter:
         h = self._open_handle(handle_id)
         step = int(operator.index(step))
         call = int(operator.index(call))
-        if not (0 <= step <= _INT64_MAX and 0 <= call <= _INT64_MAX):
+        if not (0 <= step <= MAX_STEP and 0 <= call <= MAX_STEP):
             raise InvalidArgumentError(
                 f"step and call must be non-negative ints up to 2**63 - 1 (stored as int64), got step={step!r}, "
                 f"call={call!r} for {handle_id!r}")
@@ -518,7 +518,7 @@ class RunWriter:
             raise InvalidArgumentError(
                 f"write_block({handle_id!r}): steps and calls must be 1-D integer sequences of the same "
                 f"length, got steps {st.dtype} {st.shape} and calls {ca.dtype} {ca.shape}")
-        too_big = any(a.dtype == np.uint64 and bool((a > _INT64_MAX).any()) for a in (st, ca))
+        too_big = any(a.dtype == np.uint64 and bool((a > MAX_STEP).any()) for a in (st, ca))
         if too_big or (st < 0).any() or (ca < 0).any():
             raise InvalidArgumentError(
                 f"write_block({handle_id!r}): steps and calls must be non-negative ints up to 2**63 - 1 (stored as "

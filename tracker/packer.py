@@ -213,10 +213,8 @@ class BlockPacker:
         with self._lock:
             failure: Exception | None = None
             for hid in [h for h in self._open if h != keep]:
-                try:
-                    self._hand_over(hid)
-                except Exception as e:  # a block the writer refused: the others still go
-                    failure = failure or e
+                e = _failure_of(self._hand_over, hid)  # called for every handle: the others still go
+                failure = failure or e
             self._oldest = min((b.since for b in self._open.values()), default=None)
             if failure is not None:
                 raise failure
@@ -237,19 +235,13 @@ class BlockPacker:
     def drain(self) -> None:
         """Hand over every block and wait for pending device copies (flush/close)."""
         with self._lock:
-            failure: Exception | None = None
-            try:
-                self.hand_over_all()
-            except Exception as e:
-                failure = e
+            failure = _failure_of(self.hand_over_all)
             while self._pending:
                 hid, blk = self._pending.popleft()
                 for ev in blk.events:
                     ev.synchronize()
-                try:
-                    self._write(hid, blk)
-                except Exception as e:  # as in hand_over_all: one refused block loses no other
-                    failure = failure or e
+                e = _failure_of(self._write, hid, blk)
+                failure = failure or e
             if failure is not None:
                 raise failure
 
@@ -274,3 +266,13 @@ class BlockPacker:
                 weakref.finalize(owner, give, buf)
                 fields[name] = value
         self._write_block(handle_id, blk.steps, blk.calls, fields)  # drops are counted by the writer
+
+
+def _failure_of(fn: Callable[..., Any], *args: Any) -> Exception | None:
+    """Call ``fn``; return its exception instead of raising it. Hand-overs go on past a block
+    the writer refused (a bad record of one handle must not lose the others' records)."""
+    try:
+        fn(*args)
+    except Exception as e:
+        return e
+    return None

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from hookline.storage.errors import HookTypeError, InvalidArgumentError, WriterClosedError
+from hookline.storage.format import MAX_STEP
 from hookline.storage.writer import RunWriter, WriterStats, weak_closer
 
 from .capture import CaptureHook, CaptureOptions, _Binding, field_tensors
@@ -85,7 +86,7 @@ _CALL_STEPS = 64
 
 
 def _check_step(n: Any) -> int:
-    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not 0 <= n <= 2**63 - 1:
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not 0 <= n <= MAX_STEP:
         raise InvalidArgumentError(f"step must be a non-negative int up to 2**63 - 1 (stored as int64), got {n!r}")
     return int(n)
 
