@@ -1,7 +1,7 @@
 """Capture benchmarks (SPEC §8): overhead, throughput, sampling, and what users do today.
 
 Run:  python tests/benchmarks/bench_capture.py [--quick] [--section overhead|throughput]
-                                               [--widths 1024,2048] [--rounds 60]
+                                               [--widths 1024,2048] [--rounds 60] [--decompose]
 
 Prints ratios measured in this one run:
   1. compute-bound model, all Linear outputs + grads every step: step time with capture / without
@@ -107,7 +107,7 @@ def verdict(r: dict, target: float) -> str:
     return "unresolved (interval spans the target: more --rounds)"
 
 
-def bench_overhead(tmp: Path, rounds: int, width: int = 1024, steps: int = 5) -> None:
+def bench_overhead(tmp: Path, rounds: int, width: int = 1024, steps: int = 5, decompose: bool = False) -> None:
     torch.manual_seed(0)
     model = mlp(width, 4)
     x = torch.randn(64, width)
@@ -122,9 +122,11 @@ def bench_overhead(tmp: Path, rounds: int, width: int = 1024, steps: int = 5) ->
         model.zero_grad(set_to_none=True)
         model(x).square().mean().backward()
 
-    def recorder(name: str, every: int):
+    def recorder(name: str, every: int, patch=None):
         mgr = HookManager()
         rec = Recorder(tmp / f"{name}-{width}", every=every)
+        if patch is not None:
+            patch(rec)
         mgr.register_forward_hook(rec.outputs, **lin)
         mgr.register_backward_hook(rec.grads, **lin)
         rec.set_step(1)  # not sampled for every > 1: hooks off until entered
@@ -168,10 +170,30 @@ def bench_overhead(tmp: Path, rounds: int, width: int = 1024, steps: int = 5) ->
     floor.register_backward_hook(lambda m, gi, go: copy((id(m), "b"), gi, go), hook_fn_name="copyb", **lin)
     floor.deactivate_all_hooks()
     floor_v = (lambda c: floor.activate_all_hooks(), lambda: floor.deactivate_all_hooks())
-    res = paired_ratio(run, {"capture": cap_v, "floor": floor_v, "skipped": skip_v,
-                             "deactivated": (lambda c: None, lambda: None)}, rounds, steps)
+    variants = {"capture": cap_v, "floor": floor_v, "skipped": skip_v,
+                "deactivated": (lambda c: None, lambda: None)}
+    parts: list[Recorder] = []
+    if decompose:  # each variant adds one part of the recorder (patched private hooks: a benchmark)
+        variants["hooks"] = (lambda c: noop.activate_all_hooks(), lambda: noop.deactivate_all_hooks())
+
+        def no_writer(rec: Recorder) -> None:
+            rec._packer._write_block = lambda *a: True  # blocks dropped: buffers back to the pool
+
+        def no_staging(rec: Recorder) -> None:
+            w = rec._writer
+            w._stage = lambda h, steps, calls, fields, nbytes: w._release(nbytes)
+
+        for name, patch in (("no writer", no_writer), ("no staging", no_staging)):
+            rec, variants[name] = recorder(name.replace(" ", "-"), 1, patch)
+            parts.append(rec)
+    res = paired_ratio(run, variants, rounds, steps)
     cap.close()
     skip.close()
+    for rec in parts:
+        try:
+            rec.close()
+        except Exception:  # noqa: BLE001 - the patched writers wrote nothing consistent
+            pass
     noop.remove_all_hooks()
     floor.remove_all_hooks()
     per_step_mb = (4 * 3 - 1) * 64 * width * 4 / 2**20  # the first Linear has no grad_in
@@ -180,8 +202,14 @@ def bench_overhead(tmp: Path, rounds: int, width: int = 1024, steps: int = 5) ->
           f"({per_step_mb / b:.0f} MB/s of capture); median of {rounds} rounds of {steps} steps, "
           f"random order per round; [90% bootstrap interval]")
     print(f"  step without hooks           {b * 1e3:8.2f} ms")
-    for k, label, target in (("A/A", "no hooks again (A/A control)", None),
-                             ("floor", "hooks that only copy (floor)", None),
+    rows = [("A/A", "no hooks again (A/A control)", None)]
+    if decompose:
+        rows.append(("hooks", "no-op hooks (active)", None))
+    rows.append(("floor", "hooks that only copy (floor)", None))
+    if decompose:
+        rows += [("no writer", "recorder, blocks dropped", None),
+                 ("no staging", "+ writer takes the blocks", None)]
+    for k, label, target in (*rows,
                              ("capture", "capture every step", 1.05),
                              ("skipped", "capture, non-sampled steps", 1.02),
                              ("deactivated", "deactivated hooks", 1.02)):
@@ -332,6 +360,8 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="fewer steps (smoke run)")
     ap.add_argument("--dir", default=None, help="directory on the disk to measure (default: a temp dir)")
     ap.add_argument("--section", choices=("all", "overhead", "throughput"), default="all")
+    ap.add_argument("--decompose", action="store_true",
+                    help="overhead: also time the recorder without writer / without staging")
     ap.add_argument("--rounds", type=int, default=60, help="rounds per overhead measurement (5 steps per variant each)")
     ap.add_argument("--widths", type=lambda v: [int(w) for w in v.split(",")], default=[1024, 2048],
                     help="MLP widths of the overhead runs (default 1024,2048: 110 and 55 MB/s of capture)")
@@ -341,7 +371,7 @@ def main() -> None:
     try:
         if args.section in ("all", "overhead"):
             for width in args.widths:
-                bench_overhead(tmp, 5 if args.quick else args.rounds, width)
+                bench_overhead(tmp, 5 if args.quick else args.rounds, width, decompose=args.decompose)
         if args.section in ("all", "throughput"):
             bench_throughput(tmp, 30 if args.quick else 120, 1 if args.quick else 3)
             bench_throughput(tmp, 30 if args.quick else 120, 1 if args.quick else 3, small=True)
