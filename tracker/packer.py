@@ -2,7 +2,8 @@
 
 Each firing of a recorder hook copies its tensors straight into the next row of its handle's
 open *block*: host buffers of shape ``(cap, *record_shape)``, one per field, sized so that a full
-block is one storage chunk (~1 MiB, see docs/format.md). A full block goes to
+block is a whole number of storage chunks (up to :data:`BLOCK_BYTES`, fewer when many handles
+share the open-block budget; see docs/format.md for chunks). A full block goes to
 :meth:`RunWriter.write_block` as one queue entry, which the writer thread hands to HDF5 without
 another copy. Per record the training thread pays one ``copy_`` per field and two list appends;
 the writer's per-record Python work (validation, staging, packing copy, buffer recycling) is paid
@@ -30,8 +31,12 @@ from hookline.storage.format import chunk_records
 from .convert import BufferPool, to_field
 from .stats import split_stats
 
-__all__ = ["BlockPacker", "BLOCK_MAX_RECORDS", "MAX_AGE_S"]
+__all__ = ["BlockPacker", "BLOCK_BYTES", "BLOCK_MAX_RECORDS", "MAX_AGE_S"]
 
+#: A block holds whole chunks up to about this many bytes: every block costs the training thread
+#: ~50-150 us (new buffers, hand-over, queueing), so 4 chunks of ~1 MiB per block cost a quarter
+#: of what one chunk per block costs (docs/performance.md, Capture).
+BLOCK_BYTES = 4 << 20
 #: Most records one block holds (tiny records such as stats would otherwise wait for thousands).
 BLOCK_MAX_RECORDS = 256
 #: A partly filled block is handed to the writer at the next step boundary once its first record
@@ -88,6 +93,7 @@ class BlockPacker:
         event_factory: creates an object with ``record()``, ``query()`` and ``synchronize()``;
             defaults to ``torch.cuda.Event``. Injectable so the pending logic is testable on CPU.
         max_age_s: see :data:`MAX_AGE_S`.
+        block_bytes: see :data:`BLOCK_BYTES`.
     """
 
     def __init__(
@@ -98,8 +104,13 @@ class BlockPacker:
         max_open_bytes: int = 128 << 20,
         event_factory: Callable[[], Any] | None = None,
         max_age_s: float = MAX_AGE_S,
+        block_bytes: int = BLOCK_BYTES,
     ) -> None:
         self._write_block = write_block
+        self.block_bytes = block_bytes
+        #: Handles expected to fill blocks at once (the recorder keeps it at its number of bound
+        #: handles): each block gets at most an even share of the open-block budget.
+        self.handles = 0
         self.pool = pool
         self.max_open_bytes = max_open_bytes
         self.max_age_s = max_age_s
@@ -182,7 +193,7 @@ class BlockPacker:
                 self._changes[handle_id] = 0
                 del self._last_sig[handle_id]
         else:
-            cap = min(BLOCK_MAX_RECORDS, chunk_records(max(1, record_bytes)))
+            cap = self._block_records(max(1, record_bytes))
         bufs = [self.pool.take(torch.Size((cap, *t.shape)), dt, pin=cuda) for t, dt in zip(tensors, dtypes)]
         blk = _Block(list(names), [(t.shape, t.dtype, t.is_cuda) for t in tensors], bufs, cap, cuda, stats)
         self._open[handle_id] = blk
@@ -192,6 +203,20 @@ class BlockPacker:
         if self._open_bytes > self.max_open_bytes:
             self.hand_over_all(keep=handle_id)
         return blk
+
+    def _block_records(self, record_bytes: int) -> int:
+        """Records per block: whole chunks (the writer hands them to HDF5 without a copy), up to
+        :attr:`block_bytes` and :data:`BLOCK_MAX_RECORDS`, and at most an even share of half the
+        open-block budget among :attr:`handles` (or the blocks open now, if more): a model with
+        many hooked modules gets one chunk per block, since blocks that outgrow the budget are
+        handed over partly filled, which costs the writer a packing copy per record (measured:
+        64 handles of 64 KiB records ran at 290 MB/s with 4 MiB blocks, 450 MB/s with 1 MiB)."""
+        per_chunk = chunk_records(record_bytes)
+        if per_chunk >= BLOCK_MAX_RECORDS:
+            return BLOCK_MAX_RECORDS  # tiny records: the writer packs them into chunks
+        share = self.max_open_bytes // (2 * max(self.handles, len(self._open) + 1))
+        chunks = min(self.block_bytes, share) // (per_chunk * record_bytes)
+        return per_chunk * max(1, min(chunks, BLOCK_MAX_RECORDS // per_chunk))
 
     def _hand_over(self, handle_id: str) -> None:
         blk = self._open.pop(handle_id)

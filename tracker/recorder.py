@@ -342,6 +342,7 @@ class Recorder:
         )
         with self._lock:
             self._bindings.append((hook, binding))
+            self._packer.handles = len(self._bindings)  # sizes blocks: see BlockPacker.handles
             self._hook_seconds.setdefault(binding.handle_id, 0.0)
             self._skipped.setdefault(binding.handle_id, [])
             if not self._sampled and handle.active:
@@ -351,6 +352,7 @@ class Recorder:
     def _unbind(self, hook: CaptureHook, binding: _Binding) -> None:
         with self._lock:
             self._bindings = [(h, b) for h, b in self._bindings if b is not binding]
+            self._packer.handles = len(self._bindings)
 
     # --- hot path ---------------------------------------------------------------------------
     def _capture(self, hook: CaptureHook, binding: _Binding, groups: Any, t0: int) -> None:

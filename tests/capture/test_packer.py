@@ -27,12 +27,13 @@ class Calls:
         return True
 
 
-def test_full_block_is_one_write_of_chunk_size_and_copies_are_private():
+@pytest.mark.parametrize("chunks", [1, 4])
+def test_full_block_is_one_write_of_whole_chunks_and_copies_are_private(chunks):
     got = Calls()
-    packer = BlockPacker(got, BufferPool())
+    packer = BlockPacker(got, BufferPool(), block_bytes=chunks << 20)
     t = torch.zeros(64, 256)  # 64 KiB: 16 records per 1 MiB chunk
-    cap = chunk_records(t.nbytes)
-    assert cap == 16
+    assert chunk_records(t.nbytes) == 16
+    cap = 16 * chunks
     for i in range(cap - 1):
         packer.add("h", i, 0, ["outputs.0"], [t])
         t.add_(1)  # the model changes its tensor in place after the hook returned
@@ -116,6 +117,32 @@ def test_open_blocks_are_bounded_by_max_open_bytes():
     packer.add("h3", 0, 0, ["f"], [rec])  # 4 MiB open > 3 MiB: the others go to the writer
     assert sorted(c[0] for c in got.calls) == ["h0", "h1", "h2"]
     assert packer.open_records == 1
+
+
+def test_blocks_hold_up_to_block_bytes_and_shrink_to_a_share_of_the_open_budget():
+    rec = torch.ones(64, 256)  # 64 KiB, 16 per chunk
+    packer = BlockPacker(Calls(), BufferPool(), max_open_bytes=64 << 20)
+    packer.add("a", 0, 0, ["f"], [rec])
+    assert packer._open["a"].cap == 64  # BLOCK_BYTES (4 MiB) = 4 chunks
+    crowded = BlockPacker(Calls(), BufferPool(), max_open_bytes=16 << 20)
+    for h in range(7):  # the 8th block's share: 16 MiB / (2 * 8) = 1 MiB
+        crowded.add(f"h{h}", 0, 0, ["f"], [rec])
+    crowded.add("last", 0, 0, ["f"], [rec])
+    assert crowded._open["h0"].cap == 64 and crowded._open["last"].cap == 16
+    big = torch.ones(300, 1024)  # 1.2 MiB: one record per chunk, 3 per 4 MiB block
+    packer.add("big", 0, 0, ["f"], [big])
+    assert packer._open["big"].cap == 3
+    tiny = torch.ones(2)  # 8 bytes: BLOCK_MAX_RECORDS, the writer packs the chunks
+    packer.add("tiny", 0, 0, ["f"], [tiny])
+    assert packer._open["tiny"].cap == 256
+    many = BlockPacker(Calls(), BufferPool(), max_open_bytes=64 << 20)
+    many.handles = 64  # 64 handles will fill blocks at once: 64 MiB / (2 * 64) < 1 chunk each
+    many.add("first", 0, 0, ["f"], [rec])
+    assert many._open["first"].cap == 16
+    odd = torch.ones(10, 1000)  # 40,000 bytes: 26 per chunk; blocks stay whole chunks <= 256
+    packer.add("odd", 0, 0, ["f"], [odd])
+    assert packer._open["odd"].cap % chunk_records(odd.nbytes) == 0
+    assert packer._open["odd"].cap <= 256
 
 
 class FakeEvent:
@@ -221,7 +248,7 @@ def test_block_buffers_return_to_the_pool_once_written(tmp_path):
     w = RunWriter(tmp_path / "run")
     w.add_handle("h")
     pool = BufferPool()
-    packer = BlockPacker(w.write_block, pool)
+    packer = BlockPacker(w.write_block, pool, block_bytes=1 << 20)  # 20 blocks of 16
     t = torch.randn(64, 256)
     for step in range(16 * 20):
         packer.add("h", step, 0, ["outputs.0"], [t])

@@ -499,6 +499,32 @@ def test_budget_covers_open_blocks_and_writer_queue(tmp_path):
     assert all(len(run[h].steps) == 40 for h in run.handles)
 
 
+def test_blocks_shrink_to_one_chunk_when_many_handles_share_the_budget(tmp_path):
+    """Blocks grow to 4 chunks for a few handles, but never so big that the handles together
+    outgrow the open-block budget (partly filled hand-overs would cost the writer a copy)."""
+    few = nn.Sequential(*[nn.Linear(256, 256) for _ in range(2)])
+    many = nn.Sequential(*[nn.Linear(256, 256) for _ in range(40)])
+    for model, cap in ((few, 64), (many, 16)):  # 64 KiB records: 16 per 1 MiB chunk
+        mgr = HookManager()
+        rec = Recorder(tmp_path / f"run{cap}", max_buffer_mb=256)  # 64 MiB for open blocks
+        mgr.register_forward_hook(rec.outputs, **dict(model.named_children()))
+        assert rec._packer.handles == len(model)
+        handed_over_partly = []
+        write_block = rec._packer._write_block
+        rec._packer._write_block = lambda hid, st, ca, f: (handed_over_partly.append(len(st) < cap),
+                                                            write_block(hid, st, ca, f))[1]
+        with torch.no_grad():
+            for step in range(cap):
+                with rec.step(step):
+                    model(torch.randn(64, 256))
+        assert {b.cap for b in rec._packer._open.values()} <= {cap}
+        assert handed_over_partly == [False] * len(model)  # every block went full, none early
+        mgr.remove_hook_function(rec.outputs)
+        assert rec._packer.handles == 0
+        rec.close()
+        assert all(len(open_run(tmp_path / f"run{cap}")[h].steps) == cap for h in open_run(tmp_path / f"run{cap}").handles)
+
+
 def test_partly_filled_blocks_reach_the_writer_at_the_next_step_once_stale(tmp_path):
     model = nn.Linear(4, 8)  # tiny records: a block would hold 256 of them
     mgr = HookManager()

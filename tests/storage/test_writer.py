@@ -358,10 +358,21 @@ def test_write_block_equals_record_writes_fixed_and_ragged(run_dir, tmp_path):
     np.testing.assert_array_equal(got["ids"].read(), [0, 1, 2, 0, 1, 0, 1, 2, 3])
 
 
+def test_write_block_takes_a_copy_of_the_step_and_call_lists(run_dir):
+    steps, calls = [5, 6], [0, 0]
+    with RunWriter(run_dir) as w:
+        w.add_handle(HID)
+        w.write_block(HID, steps, calls, {"f": np.ones((2, 3))})
+        steps[0], calls[1] = 99, 7  # the caller reuses its lists before the writer ran
+    got = open_run(run_dir)[HID]
+    assert list(got.steps) == [5, 6] and list(got.calls) == [0, 0]
+
+
 @pytest.mark.parametrize("steps, calls, fields, match", [
     ([0, 1], [0], {"f": np.ones((2, 3))}, "same length"),
     ([], [], {"f": np.ones((0, 3))}, "empty block"),
     ([0, -1], [0, 0], {"f": np.ones((2, 3))}, "non-negative"),
+    ([0, 1], [0, 2**63], {"f": np.ones((2, 3))}, "up to 2\\*\\*63"),
     ([0.5, 1], [0, 0], {"f": np.ones((2, 3))}, "integer"),
     ([0, 1], [0, 0], {"f": np.ones((3, 3))}, r"shape \(2, \.\.\.\), got shape \(3, 3\)"),
     ([0, 1], [0, 0], {"f": np.float32(1.0)}, r"shape \(2, \.\.\.\)"),
