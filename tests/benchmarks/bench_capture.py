@@ -2,6 +2,7 @@
 
 Run:  python tests/benchmarks/bench_capture.py [--quick] [--section overhead|throughput]
                                                [--widths 1024,2048] [--rounds 60] [--decompose]
+                                               [--malloc default|tuned]
 
 Prints ratios measured in this one run:
   1. compute-bound model, all Linear outputs + grads every step: step time with capture / without
@@ -19,6 +20,13 @@ Prints ratios measured in this one run:
      each record straight to h5py (resize + write per record).
 
 torch runs with 1 intra-op thread so the background writer has the second core (see docs).
+
+``--malloc tuned`` re-runs the script with glibc's heap trimming and mmap threshold raised
+(``MALLOC_TRIM_THRESHOLD_``, ``MALLOC_MMAP_THRESHOLD_``). With glibc's defaults, CPU torch
+returns freed activation and gradient memory to the kernel and faults it back in on the next step
+(~1,400-4,000 minor page faults per step of this MLP); how many depends on the order of
+allocations, which any hook changes, so those faults blur every ratio. Each overhead row prints its
+minor page faults per step.
 """
 
 from __future__ import annotations
@@ -30,6 +38,7 @@ import resource
 import shutil
 import random
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -39,6 +48,12 @@ import numpy as np
 import torch
 
 from hookline.tracker import HookManager, Recorder, select
+
+
+#: glibc settings of ``--malloc tuned``: keep freed memory in the heap instead of returning it to
+#: the kernel (and faulting it back in on the next step); allocations below 32 MiB (the largest
+#: mmap threshold glibc accepts on 64-bit; it ignores larger values) come from the heap.
+TUNED_MALLOC = {"MALLOC_TRIM_THRESHOLD_": str(2**31 - 1), "MALLOC_MMAP_THRESHOLD_": str(32 << 20)}
 
 
 def rss_mb() -> float:
@@ -65,36 +80,43 @@ def paired_ratio(run, variants: dict, rounds: int, steps: int, seed: int = 0) ->
 
     Returns:
         name -> ``{"time": median step time, "ratio": median per-round ratio, "lo", "hi":
-        bootstrap 90% interval of that median}``, with ``"base"`` and ``"A/A"`` included.
+        bootstrap 90% interval of that median, "faults": median minor page faults per step}``,
+        with ``"base"`` and ``"A/A"`` included.
     """
     rng = random.Random(seed)
     counter = [0]
     everything = {"base": (None, None), "A/A": (None, None), **variants}
     times: dict[str, list[float]] = {k: [] for k in everything}
+    faults: dict[str, list[float]] = {k: [] for k in everything}
 
-    def timed(enter=None, leave=None) -> float:
+    def timed(enter=None, leave=None) -> tuple[float, float]:
         if enter:
             enter(counter)
         run(counter)
+        f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         t0 = time.perf_counter()
         for _ in range(steps):
             run(counter)
         dt = (time.perf_counter() - t0) / steps
+        df = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0) / steps
         if leave:
             leave()
-        return dt
+        return dt, df
 
     names = list(everything)
     for _ in range(rounds):
         rng.shuffle(names)
         for k in names:
-            times[k].append(timed(*everything[k]))
+            dt, df = timed(*everything[k])
+            times[k].append(dt)
+            faults[k].append(df)
     out = {}
     for k in everything:
         ratios = [v / b for v, b in zip(times[k], times["base"])]
         med = statistics.median(ratios)
         boot = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(2000))
-        out[k] = {"time": statistics.median(times[k]), "ratio": med, "lo": boot[100], "hi": boot[1899]}
+        out[k] = {"time": statistics.median(times[k]), "ratio": med, "lo": boot[100], "hi": boot[1899],
+                  "faults": statistics.median(faults[k])}
     return out
 
 
@@ -201,7 +223,7 @@ def bench_overhead(tmp: Path, rounds: int, width: int = 1024, steps: int = 5, de
     print(f"[overhead] MLP 4x Linear({width}) batch 64, {per_step_mb:.1f} MB captured per step "
           f"({per_step_mb / b:.0f} MB/s of capture); median of {rounds} rounds of {steps} steps, "
           f"random order per round; [90% bootstrap interval]")
-    print(f"  step without hooks           {b * 1e3:8.2f} ms")
+    print(f"  step without hooks           {b * 1e3:8.2f} ms  {res['base']['faults']:6.0f} page faults/step")
     rows = [("A/A", "no hooks again (A/A control)", None)]
     if decompose:
         rows.append(("hooks", "no-op hooks (active)", None))
@@ -214,8 +236,8 @@ def bench_overhead(tmp: Path, rounds: int, width: int = 1024, steps: int = 5, de
                              ("skipped", "capture, non-sampled steps", 1.02),
                              ("deactivated", "deactivated hooks", 1.02)):
         r = res[k]
-        line = (f"  {label:<28} {r['time'] * 1e3:8.2f} ms  ratio {r['ratio']:.3f}x "
-                f"[{r['lo']:.3f}, {r['hi']:.3f}]")
+        line = (f"  {label:<28} {r['time'] * 1e3:8.2f} ms  {r['faults']:6.0f} page faults/step  "
+                f"ratio {r['ratio']:.3f}x [{r['lo']:.3f}, {r['hi']:.3f}]")
         if target is not None:
             line += f"  target <= {target}x: {verdict(r, target)}"
         print(line)
@@ -365,7 +387,15 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=60, help="rounds per overhead measurement (5 steps per variant each)")
     ap.add_argument("--widths", type=lambda v: [int(w) for w in v.split(",")], default=[1024, 2048],
                     help="MLP widths of the overhead runs (default 1024,2048: 110 and 55 MB/s of capture)")
+    ap.add_argument("--malloc", choices=("default", "tuned"), default="default",
+                    help="tuned: run with glibc heap trimming off (see the module docstring)")
     args = ap.parse_args()
+    if args.malloc == "tuned" and os.environ.get("MALLOC_TRIM_THRESHOLD_") is None:
+        # glibc reads these once at start-up: run this script again with them set.
+        env = {**os.environ, **TUNED_MALLOC}
+        os.execve(sys.executable, [sys.executable, *sys.argv], env)
+    settings = " ".join(f"{k}={os.environ.get(k, 'unset')}" for k in TUNED_MALLOC)
+    print(f"malloc: {args.malloc} ({settings})")
     torch.set_num_threads(1)
     tmp = Path(tempfile.mkdtemp(prefix="hookline-bench-", dir=args.dir))
     try:
