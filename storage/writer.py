@@ -22,7 +22,7 @@ import re
 import threading
 import time
 import weakref
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping, Union
@@ -72,6 +72,9 @@ COMPACT_FANIN = 8
 #: No compaction while a handle has fewer sealed segments (each merge copies data; a few dozen
 #: files are cheap, and close() merges everything once anyway).
 COMPACT_MIN_SEGMENTS = 32
+#: Most files one merge opens at once; merging more goes through intermediate files of this
+#: many each (segments sealed to stay within max_open_files can be many per handle).
+MERGE_MAX_FILES = 32
 
 
 @dataclass
@@ -100,6 +103,7 @@ class WriterStats:
         peak_buffer_bytes: largest amount of accepted-but-not-written data held in memory.
         max_buffer_bytes: the budget (``max_buffer_mb``).
         blocked_seconds: total time ``write()`` waited for buffer space (policy ``"block"``).
+        rotated_segments: segments sealed early to stay within ``max_open_files``.
         error: the background error message, if the writer failed.
     """
 
@@ -107,6 +111,7 @@ class WriterStats:
     peak_buffer_bytes: int = 0
     max_buffer_bytes: int = 0
     blocked_seconds: float = 0.0
+    rotated_segments: int = 0
     error: str | None = None
 
     @property
@@ -216,8 +221,9 @@ def _short(e: BaseException, limit: int = 240) -> str:
 _FIXES = {
     _errno.ENOSPC: "free disk space",
     _errno.EDQUOT: "free space within your disk quota",
-    _errno.EMFILE: ("raise the open-file limit (ulimit -n; the writer keeps one file per handle "
-                    "open between flushes) or record fewer handles"),
+    _errno.EMFILE: ("raise the open-file limit (ulimit -n), or pass a smaller max_open_files to "
+                    "RunWriter (the writer keeps one file per handle written since the last flush "
+                    "open, up to max_open_files)"),
     _errno.ENFILE: "close other files (the system's open-file table is full)",
     _errno.EIO: "check the device (an I/O error)",
     _errno.EROFS: "record to a writable file system",
@@ -259,6 +265,11 @@ class RunWriter:
             disk busy while the run goes on, so ``flush()``/``close()`` find little left to
             sync and a long run does not fill the page cache; 0 or None leaves writeback to
             the kernel. See docs/storage.md.
+        max_open_files: most segment files open at once (one per handle written since the last
+            flush). When more handles write, the least recently written handle's segment is
+            sealed (closed, published as ``.h5seg``, fsynced at the next flush) and its next
+            records start a new one. None (default): half the process's open-file limit
+            (``ulimit -n``) minus 64 for everything else, between 8 and 1024.
 
     Example:
         >>> w = RunWriter("runs/a", max_buffer_mb=256)
@@ -286,6 +297,7 @@ class RunWriter:
         merge_on_close: bool = True,
         fsync: bool = True,
         writeback_mb: float | None = 32,
+        max_open_files: int | None = None,
     ) -> None:
         if policy not in _POLICIES:
             raise InvalidArgumentError(f"policy must be 'block' or 'drop', got {policy!r}")
@@ -301,6 +313,12 @@ class RunWriter:
             raise InvalidArgumentError(
                 f"writeback_mb must be a number >= 0 or None (0/None: leave writeback to the kernel), got {writeback_mb!r}"
             )
+        if max_open_files is None:
+            max_open_files = default_max_open_files()
+        elif isinstance(max_open_files, bool) or not isinstance(max_open_files, int) or max_open_files < 1:
+            raise InvalidArgumentError(
+                f"max_open_files must be a positive int or None (from ulimit -n), got {max_open_files!r}")
+        self.max_open_files = max_open_files
         self._compression = self._check_compression(compression)
         self._writeback_bytes = int((writeback_mb or 0) * (1 << 20))
         self._writeback = Writeback(self._writeback_bytes)  # shared by the open segments (writer thread)
@@ -349,6 +367,10 @@ class RunWriter:
         self._close_stats: WriterStats | None = None
         self._current_path: Path | None = None
         self._scratch = np.empty(0, np.uint8)
+        # Handles with an open segment, least recently written first (writer thread only), and
+        # segments sealed to stay under max_open_files, not fsynced yet (done at the next flush).
+        self._open_lru: OrderedDict[str, _Handle] = OrderedDict()
+        self._unsynced: list[Path] = []
         self._comp_cache: dict[str, str | None] = {}
         self._last_flush = time.monotonic()
         # compaction thread
@@ -682,6 +704,7 @@ class RunWriter:
                 peak_buffer_bytes=self._stats.peak_buffer_bytes,
                 max_buffer_bytes=self.max_buffer_bytes,
                 blocked_seconds=self._stats.blocked_seconds,
+                rotated_segments=self._stats.rotated_segments,
                 error=str(self._error) if self._error else None,
             )
         return s
@@ -877,6 +900,8 @@ class RunWriter:
         self._dirty = True
 
     def _open_segment(self, h: _Handle) -> _OpenSeg:
+        while len(self._open_lru) >= self.max_open_files:
+            self._rotate(next(iter(self._open_lru.values())))
         rel = partial_segment_name(h.key, h.suffix, h.next_record)
         path = self.run_dir / rel
         self._current_path = path
@@ -884,7 +909,17 @@ class RunWriter:
         attrs = self._file_attrs(h)
         seg = _OpenSeg(h.next_record, path, HandleFileWriter(path, attrs, h.next_record, self._writeback))
         h.seg = seg
+        self._open_lru[h.id] = h
         return seg
+
+    def _rotate(self, h: _Handle) -> None:
+        """Seal ``h``'s open segment to free its file (max_open_files). Not fsynced now (that would
+        cost an fsync per rotation): :meth:`_flush_all` fsyncs it with the next flush."""
+        done = self._finish_segment(h)
+        if done is not None:
+            self._publish_segments([done], fsync=False)
+            self._unsynced.append(h.sealed[-1].path)
+            self._stats.rotated_segments += 1
 
     def _file_attrs(self, h: _Handle) -> dict[str, Any]:
         i = h.info
@@ -923,6 +958,8 @@ class RunWriter:
             seg = None
         if seg is None:
             seg = self._open_segment(h)
+        else:
+            self._open_lru.move_to_end(h.id)
         rec = h.next_record
         h.next_record += k
         seg.steps.extend(steps)
@@ -1076,6 +1113,7 @@ class RunWriter:
         w.add_index(np.asarray(seg.steps, np.int64), np.asarray(seg.calls, np.int64))
         w.finish()
         h.seg = None
+        self._open_lru.pop(h.id, None)
         self._current_path = None
         return h, seg.partial, seg.start, seg.start + len(seg.steps)
 
@@ -1092,6 +1130,8 @@ class RunWriter:
 
     def _flush_all(self, fsync: bool) -> None:
         done = []
+        if fsync and self._unsynced:
+            self._sync_rotated()
         try:
             for h in list(self._handles.values()):
                 d = self._finish_segment(h)
@@ -1109,7 +1149,21 @@ class RunWriter:
             e, self._compact_error = self._compact_error, None
             raise e
 
+    def _sync_rotated(self) -> None:
+        """fsync the segments sealed by :meth:`_rotate` since the last flush (and their folders)."""
+        paths, self._unsynced = self._unsynced, []
+        for path in paths:
+            self._current_path = path
+            try:
+                fsync_file(path)
+            except FileNotFoundError:
+                pass  # merged away by the compactor since: its output was fsynced
+        for d in {p.parent for p in paths}:
+            fsync_dir(d)
+        self._current_path = None
+
     def _abort_all(self) -> None:
+        self._open_lru.clear()
         for h in list(self._handles.values()):
             if h.seg is not None:
                 h.seg.writer.abort()
@@ -1189,11 +1243,49 @@ class RunWriter:
                 return
 
     def _merge_files(self, h: _Handle, paths: list, out: Path, record_start: int = 0) -> None:
-        """Copy the records of the complete files ``paths`` (in order) into the new file ``out``."""
+        """Copy the records of the complete files ``paths`` (in order) into the new file ``out``,
+        with at most :data:`MERGE_MAX_FILES` inputs open at once."""
+        if len(paths) > MERGE_MAX_FILES:
+            mids: list[Path] = []  # intermediate files, removed at the end
+            level: list[Path] = []  # the next level's inputs
+            try:
+                start = record_start
+                for i in range(0, len(paths), MERGE_MAX_FILES):
+                    group = paths[i : i + MERGE_MAX_FILES]
+                    if len(group) == 1:  # nothing to merge (and its own name is taken)
+                        level.append(group[0])
+                        start += open_part_records(group[0])
+                        continue
+                    mid, n = self._merge_group(h, group, start)
+                    if mid is not None:
+                        mids.append(mid)
+                        level.append(mid)
+                    start += n
+                self._merge_files(h, level, out, record_start)
+            finally:
+                for m in mids:
+                    m.unlink(missing_ok=True)
+            return
         parts = [open_part(p) for p in paths]
         try:
             merge_parts(parts, out, self._file_attrs(h), self._compression_for, record_start=record_start,
                         writeback=self._writeback_bytes)
+        finally:
+            for p in parts:
+                p.close()
+
+    def _merge_group(self, h: _Handle, paths: list, start: int) -> tuple[Path | None, int]:
+        """Merge ``paths`` into an intermediate ``.h5seg.partial`` numbered from ``start``;
+        returns it (None when the files hold no record) and its record count."""
+        parts = [open_part(p) for p in paths]
+        try:
+            n = sum(p.n for p in parts)
+            if n == 0:
+                return None, 0
+            mid = self.run_dir / (segment_name(h.key, h.suffix, start, start + n) + ".partial")
+            merge_parts(parts, mid, self._file_attrs(h), self._compression_for, record_start=start,
+                        writeback=self._writeback_bytes)
+            return mid, n
         finally:
             for p in parts:
                 p.close()
@@ -1320,6 +1412,28 @@ def _pick_merge(sizes: list[int]) -> tuple[int, int] | None:
         i -= 1
         total += sizes[i]
     return (i, n)
+
+
+def open_part_records(path: Path) -> int:
+    """Records in one complete file."""
+    part = open_part(path)
+    try:
+        return part.n
+    finally:
+        part.close()
+
+
+def default_max_open_files() -> int:
+    """Half of the soft open-file limit minus 64 (torch, sockets, the reader and the merges need
+    files too), between 8 and 1024; 512 where the limit cannot be read."""
+    try:
+        import resource
+    except ImportError:  # not on POSIX
+        return 512
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return 1024
+    return max(8, min(1024, (soft - 64) // 2))
 
 
 def _publish(pairs: list[tuple[Path, Path]], fsync: bool) -> None:

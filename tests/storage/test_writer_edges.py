@@ -219,3 +219,122 @@ def test_too_many_open_files_says_what_to_do(tmp_path):
     assert "ulimit -n" in out.stdout
     with open_run(d) as run:
         assert len(run["outputs[h0]"]) == 1
+
+
+def _open_partials(run_dir) -> int:
+    """Segment files this process holds open (from /proc/self/fd)."""
+    n = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        n += target.startswith(str(run_dir)) and target.endswith(".partial")
+    return n
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts open files through /proc")
+def test_more_handles_than_max_open_files_rotate_segments_and_lose_nothing(tmp_path):
+    d = tmp_path / "r"
+    rng = np.random.default_rng(0)
+    want: dict[str, list[np.ndarray]] = {}
+    with RunWriter(d, max_open_files=4, fsync=True) as w:
+        handles = [f"outputs[m{i}]" for i in range(20)]
+        for h in handles:
+            w.add_handle(h)
+        peak = 0
+        for step in range(6):
+            for h in handles:  # every handle writes every step: 20 handles through 4 open files
+                x = rng.standard_normal((8, 16)).astype(np.float32)
+                want.setdefault(h, []).append(x)
+                w.write(h, step, 0, {"x": x})
+                peak = max(peak, _open_partials(d))
+            if step == 2:
+                w.flush()
+                assert w._unsynced == []  # rotated segments were fsynced by the flush
+                with open_run(d) as mid:  # readable mid-run, like any flushed segment
+                    assert all(len(mid[h]) == 3 for h in handles)
+        w.flush()
+        peak = max(peak, _open_partials(d))
+        assert w.stats().rotated_segments > 0
+    assert peak <= 4
+    with open_run(d) as run:
+        for h in handles:
+            assert list(run[h].steps) == list(range(6))
+            for j, x in enumerate(want[h]):
+                np.testing.assert_array_equal(run[h]["x"][j], x)
+
+
+def test_default_max_open_files_follows_ulimit(tmp_path):
+    """With a low open-file limit set before the writer starts, 100 handles still get written
+    (the writer rotates files instead of failing with EMFILE)."""
+    import subprocess
+    import textwrap
+
+    d = tmp_path / "r"
+    child = textwrap.dedent(f"""
+        import resource
+        import numpy as np
+        resource.setrlimit(resource.RLIMIT_NOFILE, (96, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+        from hookline.storage import RunWriter
+        w = RunWriter({str(d)!r}, fsync=False)
+        print("MAX", w.max_open_files)
+        for i in range(100):
+            w.add_handle(f"outputs[h{{i}}]")
+        for step in range(3):
+            for i in range(100):
+                w.write(f"outputs[h{{i}}]", step, 0, {{"x": np.full(3, i + step, np.float32)}})
+        stats = w.close()
+        print("ROTATED", stats.rotated_segments)
+    """)
+    out = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "MAX 16" in out.stdout  # (96 - 64) // 2
+    assert int(out.stdout.split("ROTATED")[1]) > 0
+    with open_run(d) as run:
+        for i in (0, 57, 99):
+            assert [float(run[f"outputs[h{i}]"]["x"][j][0]) for j in range(3)] == [i, i + 1, i + 2]
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.5, True, "8"])
+def test_bad_max_open_files_is_refused(tmp_path, bad):
+    with pytest.raises(InvalidArgumentError, match="max_open_files"):
+        RunWriter(tmp_path / "r", max_open_files=bad)
+
+
+def test_merges_of_many_segments_open_a_bounded_number_of_files(tmp_path, monkeypatch):
+    """close() merges every segment of a handle; with more segments than MERGE_MAX_FILES it goes
+    through intermediate files, never holding more inputs open at once, and loses nothing."""
+    monkeypatch.setattr(writer_mod, "MERGE_MAX_FILES", 3)
+    open_now, peak = [0], [0]
+    real_open = writer_mod.open_part
+
+    def counting_open(path):
+        part = real_open(path)
+        open_now[0] += 1
+        peak[0] = max(peak[0], open_now[0])
+        real_close = part.close
+
+        def close():
+            open_now[0] -= 1
+            real_close()
+        part.close = close
+        return part
+
+    monkeypatch.setattr(writer_mod, "open_part", counting_open)
+    d = tmp_path / "r"
+    want = []
+    with RunWriter(d, fsync=False) as w:
+        w.add_handle(HID)
+        for seg in range(10):  # 10 segments; the 4th and 7th have another shape (ragged field)
+            for j in range(2):
+                x = np.full((3 if seg in (3, 6) else 2, 4), seg * 10 + j, np.float32)
+                want.append(x)
+                w.write(HID, seg, j, {"x": x})
+            w.flush()
+    assert peak[0] <= 3
+    assert sorted(p.name for p in d.rglob("*") if p.is_file() and "partial" in p.name) == []
+    with open_run(d) as run:
+        assert len(run[HID]) == 20
+        for i, x in enumerate(want):
+            np.testing.assert_array_equal(run[HID]["x"][i], x)
