@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import threading
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
@@ -14,7 +16,7 @@ import h5py
 import numpy as np
 
 from . import dtypes
-from .errors import FormatError
+from .errors import FormatError, StorageError
 from .format import (
     FILE_FORMAT,
     FORMAT_VERSION,
@@ -303,7 +305,8 @@ class PartField:
     def __init__(self, part: Part, name: str, ds: h5py.Dataset):
         self.part = part
         self.name = name
-        self.ds = ds
+        self._ds = ds
+        self._gen = part.generation
         at = ds.attrs
         try:
             self.dtype_name = _attr_str(at["dtype"])
@@ -328,6 +331,15 @@ class PartField:
         self._norms: np.ndarray | None = None
         self._offsets: np.ndarray | None = None
         self._shapes: np.ndarray | None = None
+
+    @property
+    def ds(self) -> h5py.Dataset:
+        """The field's dataset (looked up again after the part's file was closed and reopened)."""
+        f = self.part.f
+        if self._gen != self.part.generation:
+            self._ds = f[self.name]
+            self._gen = self.part.generation
+        return self._ds
 
     def _g(self) -> h5py.Group:
         return self.part.f[INDEX_GROUP][self.name]
@@ -378,13 +390,60 @@ class PartField:
         return self.ds[a:b]
 
 
+def open_files_share(divisor: int, most: int) -> int:
+    """``(soft open-file limit - 64) // divisor``, between 8 and ``most`` (64 files are left to
+    torch, sockets and the rest of the process); ``most // 2`` where the limit cannot be read."""
+    try:
+        import resource
+    except ImportError:  # not on POSIX
+        return most // 2
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return most
+    return max(8, min(most, (soft - 64) // divisor))
+
+
+class FileLRU:
+    """Keeps at most ``capacity`` parts' files open: using one more closes the least recently
+    used one, which reopens on its next use (a reader of thousands of files stays under the
+    open-file limit). Not for parts being merged: only readers use it."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = max(1, capacity)
+        self._open: OrderedDict[int, Part] = OrderedDict()
+        self._lock = threading.Lock()
+        self.reopened = 0  # statistics (tests)
+
+    def touch(self, part: Part) -> None:
+        with self._lock:
+            key = id(part)
+            if key in self._open:
+                self._open.move_to_end(key)
+                return
+            self._open[key] = part
+            while len(self._open) > self.capacity:
+                _, old = self._open.popitem(last=False)
+                old._close_file()
+
+    def forget(self, part: Part) -> None:
+        with self._lock:
+            self._open.pop(id(part), None)
+
+
 class Part:
     """One complete handle file opened read-only (``rdcc_nbytes=0``: no chunk cache, so random
-    access to one record reads only that record's chunks' bytes)."""
+    access to one record reads only that record's chunks' bytes).
 
-    def __init__(self, path: Path, f: h5py.File):
+    With an ``lru``, the file may be closed between uses (see :class:`FileLRU`); metadata and the
+    step/call indexes stay in memory.
+    """
+
+    def __init__(self, path: Path, f: h5py.File, lru: FileLRU | None = None):
         self.path = Path(path)
-        self.f = f
+        self._f: h5py.File | None = f
+        self._lru = lru
+        self._closed = False
+        self.generation = 0  # bumped at every reopen (PartField looks its dataset up again)
         a = f.attrs
         try:
             if _attr_str(a["hookline_format"]) != FILE_FORMAT:
@@ -405,6 +464,8 @@ class Part:
         self._calls: np.ndarray | None = None
         self._fields: dict[str, PartField] = {}
         self._compressed: bool | None = None
+        if lru is not None:
+            lru.touch(self)
 
     @property
     def steps(self) -> np.ndarray:
@@ -428,26 +489,54 @@ class Part:
             pf = self._fields[name] = PartField(self, name, self.f[name])
         return pf
 
+    @property
+    def f(self) -> h5py.File:
+        """The open file (reopened if its LRU closed it).
+
+        Raises:
+            StorageError: the part was closed (its run was closed).
+        """
+        f = self._f
+        if f is None:
+            if self._closed:
+                raise StorageError(f"{str(self.path)!r} was closed with its run; open the run again (open_run)")
+            try:
+                f = h5py.File(self.path, "r", rdcc_nbytes=0)
+            except OSError as e:
+                raise StorageError(f"cannot reopen {str(self.path)!r}: {e}") from e
+            self._f = f
+            self.generation += 1
+            if self._lru is not None:
+                self._lru.reopened += 1
+        if self._lru is not None:
+            self._lru.touch(self)
+        return f
+
+    def _close_file(self) -> None:
+        f, self._f = self._f, None
+        if f is not None:
+            try:
+                f.close()
+            except Exception:
+                pass
+
     def close(self) -> None:
-        try:
-            self.f.close()
-        except Exception:
-            pass
+        self._closed = True
+        if self._lru is not None:
+            self._lru.forget(self)
+        self._close_file()
 
 
-def open_part(path: Path) -> Part:
-    """Open a complete handle file read-only.
+def open_part(path: Path, lru: FileLRU | None = None) -> Part:
+    """Open a complete handle file read-only (kept open at most as ``lru`` allows).
 
     Raises:
         FormatError: not a hookline handle file / unsupported version.
         OSError: HDF5 cannot open it.
     """
+    f = h5py.File(path, "r", rdcc_nbytes=0)
     try:
-        f = h5py.File(path, "r", rdcc_nbytes=0)
-    except OSError:
-        raise
-    try:
-        return Part(path, f)
+        return Part(path, f, lru)
     except Exception:
         f.close()
         raise

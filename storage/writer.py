@@ -30,7 +30,15 @@ from typing import Any, Callable, Mapping, Union
 import numpy as np
 
 from . import dtypes
-from ._h5file import FieldSpec, HandleFileWriter, Writeback, compression_kwargs, merge_parts, open_part
+from ._h5file import (
+    FieldSpec,
+    HandleFileWriter,
+    Writeback,
+    compression_kwargs,
+    merge_parts,
+    open_files_share,
+    open_part,
+)
 from ._segments import discover_files
 from .errors import (
     HookTypeError,
@@ -1425,15 +1433,8 @@ def open_part_records(path: Path) -> int:
 
 def default_max_open_files() -> int:
     """Half of the soft open-file limit minus 64 (torch, sockets, the reader and the merges need
-    files too), between 8 and 1024; 512 where the limit cannot be read."""
-    try:
-        import resource
-    except ImportError:  # not on POSIX
-        return 512
-    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft == resource.RLIM_INFINITY:
-        return 1024
-    return max(8, min(1024, (soft - 64) // 2))
+    files too), between 8 and 1024."""
+    return open_files_share(2, 1024)
 
 
 def _publish(pairs: list[tuple[Path, Path]], fsync: bool) -> None:

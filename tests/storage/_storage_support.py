@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -46,3 +47,15 @@ def wait_for_partial(run_dir: Path, timeout: float = 10.0) -> None:
     while not any(p.name.endswith(".partial") for p in run_dir.rglob("*")):
         assert time.monotonic() < deadline, f"no .partial segment appeared in {run_dir}"
         time.sleep(0.02)
+
+
+def open_files_under(run_dir: Path, suffix: str = "") -> int:
+    """Files under ``run_dir`` (ending in ``suffix``) this process holds open, from /proc/self/fd."""
+    n = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        n += target.startswith(str(run_dir)) and target.endswith(suffix)
+    return n

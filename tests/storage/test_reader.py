@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from hookline.storage import FormatError, RunWriter, StorageError, UnknownNameError, open_run
-from _storage_support import GID, HID, record_value, wait_for_partial, write_std_run
+from _storage_support import GID, HID, open_files_under, record_value, wait_for_partial, write_std_run
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -163,3 +163,61 @@ def test_at_step_with_several_calls_and_unsorted_steps(run_dir):
     with pytest.raises(UnknownNameError, match="step 7"):
         f.at_step(7)  # nothing recorded at step 7: a clear error, not an empty array
     assert f.calls.tolist() == [c for _, c in order]
+
+
+def _many_handles_run(d, n=30, records=3):
+    with RunWriter(d, fsync=False) as w:
+        for i in range(n):
+            w.add_handle(f"outputs[m{i}]")
+            for j in range(records):
+                w.write(f"outputs[m{i}]", j, 0, {"x": np.full(4, i * 100 + j, np.float32)})
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts open files through /proc")
+def test_reader_keeps_at_most_max_open_files_open_and_reopens_transparently(tmp_path):
+    d = tmp_path / "r"
+    _many_handles_run(d)
+    with open_run(d, max_open_files=4) as run:
+        held = run["outputs[m0]"]["x"]  # a Field kept across evictions of its file
+        assert held[1][0] == 1
+        peak = 0
+        for sweep in range(2):
+            for i in range(30):
+                f = run[f"outputs[m{i}]"]["x"]
+                assert [float(f[j][0]) for j in range(3)] == [i * 100 + j for j in range(3)]
+                assert list(run[f"outputs[m{i}]"].steps) == [0, 1, 2]
+                peak = max(peak, open_files_under(d))
+        assert peak <= 4
+        assert run.files.reopened >= 30  # the second sweep reopened what the first closed
+        assert float(held[2][0]) == 2  # still readable: its file reopened
+        np.testing.assert_array_equal(held.read()[:, 0], [0, 1, 2])
+    assert open_files_under(d) == 0
+    with pytest.raises(StorageError, match="closed with its run"):
+        held[0]
+
+
+def test_reader_default_file_budget_follows_ulimit(tmp_path):
+    d = tmp_path / "r"
+    _many_handles_run(d, n=100, records=1)
+    child = textwrap.dedent(f"""
+        import resource
+        resource.setrlimit(resource.RLIMIT_NOFILE, (96, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+        from hookline.storage import open_run
+        with open_run({str(d)!r}) as run:
+            print("BUDGET", run.files.capacity)
+            print("SUM", sum(float(run[h]["x"][0][0]) for h in run.handles))
+    """)
+    out = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "BUDGET 8" in out.stdout  # max(8, (96 - 64) // 4)
+    assert f"SUM {float(sum(i * 100 for i in range(100)))}" in out.stdout
+
+
+@pytest.mark.parametrize("bad", [0, -2, 1.5, True])
+def test_bad_reader_max_open_files_is_refused(tmp_path, bad):
+    from hookline.storage import InvalidArgumentError
+
+    d = tmp_path / "r"
+    _many_handles_run(d, n=1, records=1)
+    with pytest.raises(InvalidArgumentError, match="max_open_files"):
+        open_run(d, max_open_files=bad)

@@ -13,6 +13,7 @@ import pytest
 
 import hookline.storage.writer as writer_mod
 from hookline.storage import InvalidArgumentError, RunWriter, WriterClosedError, open_run
+from _storage_support import open_files_under
 
 HID = "outputs[fc]"
 
@@ -221,18 +222,6 @@ def test_too_many_open_files_says_what_to_do(tmp_path):
         assert len(run["outputs[h0]"]) == 1
 
 
-def _open_partials(run_dir) -> int:
-    """Segment files this process holds open (from /proc/self/fd)."""
-    n = 0
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            target = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            continue
-        n += target.startswith(str(run_dir)) and target.endswith(".partial")
-    return n
-
-
 @pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts open files through /proc")
 def test_more_handles_than_max_open_files_rotate_segments_and_lose_nothing(tmp_path):
     d = tmp_path / "r"
@@ -248,14 +237,14 @@ def test_more_handles_than_max_open_files_rotate_segments_and_lose_nothing(tmp_p
                 x = rng.standard_normal((8, 16)).astype(np.float32)
                 want.setdefault(h, []).append(x)
                 w.write(h, step, 0, {"x": x})
-                peak = max(peak, _open_partials(d))
+                peak = max(peak, open_files_under(d, ".partial"))
             if step == 2:
                 w.flush()
                 assert w._unsynced == []  # rotated segments were fsynced by the flush
                 with open_run(d) as mid:  # readable mid-run, like any flushed segment
                     assert all(len(mid[h]) == 3 for h in handles)
         w.flush()
-        peak = max(peak, _open_partials(d))
+        peak = max(peak, open_files_under(d, ".partial"))
         assert w.stats().rotated_segments > 0
     assert peak <= 4
     with open_run(d) as run:
