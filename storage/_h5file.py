@@ -16,7 +16,7 @@ import h5py
 import numpy as np
 
 from . import dtypes
-from .errors import FormatError, StorageError
+from .errors import FormatError, InvalidArgumentError, StorageError
 from .format import (
     FILE_FORMAT,
     FORMAT_VERSION,
@@ -401,6 +401,19 @@ def open_files_share(divisor: int, most: int) -> int:
     if soft == resource.RLIM_INFINITY:
         return most
     return max(8, min(most, (soft - 64) // divisor))
+
+
+def check_max_open_files(value: Any, divisor: int, most: int) -> int:
+    """A ``max_open_files`` argument: a positive int, or None for :func:`open_files_share`.
+
+    Raises:
+        InvalidArgumentError: anything else.
+    """
+    if value is None:
+        return open_files_share(divisor, most)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise InvalidArgumentError(f"max_open_files must be a positive int or None (from ulimit -n), got {value!r}")
+    return value
 
 
 class FileLRU:

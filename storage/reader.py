@@ -27,7 +27,7 @@ import h5py
 import numpy as np
 
 from . import dtypes
-from ._h5file import FileLRU, Part, PartField, open_files_share, open_part
+from ._h5file import FileLRU, Part, PartField, check_max_open_files, open_part
 from ._segments import Discovery, discover_files
 from .errors import FormatError, HookTypeError, InvalidArgumentError, RecordIndexError, StorageError, UnknownNameError
 from .format import RUN_FORMAT, FORMAT_VERSION, check_manifest, rank_suffix, read_manifest
@@ -134,11 +134,7 @@ class Run:
     """
 
     def __init__(self, source: Any, where: str = "", max_open_files: int | None = None):
-        if max_open_files is not None and (
-            isinstance(max_open_files, bool) or not isinstance(max_open_files, int) or max_open_files < 1
-        ):
-            raise InvalidArgumentError(
-                f"max_open_files must be a positive int or None (from ulimit -n), got {max_open_files!r}")
+        capacity = check_max_open_files(max_open_files, 4, 256)
         self.source = source
         self.path = where
         self.manifests = list(source.manifests())
@@ -155,7 +151,7 @@ class Run:
                 self._entries.setdefault(hid, []).append((m, entry))
         self._cache: dict[tuple[str, int | None], Handle] = {}
         #: Files open at once (least recently used closed first, reopened when read again).
-        self.files = FileLRU(open_files_share(4, 256) if max_open_files is None else max_open_files)
+        self.files = FileLRU(capacity)
 
     @property
     def handles(self) -> list[str]:

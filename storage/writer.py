@@ -35,8 +35,8 @@ from ._h5file import (
     HandleFileWriter,
     Writeback,
     compression_kwargs,
+    check_max_open_files,
     merge_parts,
-    open_files_share,
     open_part,
 )
 from ._segments import discover_files
@@ -321,12 +321,8 @@ class RunWriter:
             raise InvalidArgumentError(
                 f"writeback_mb must be a number >= 0 or None (0/None: leave writeback to the kernel), got {writeback_mb!r}"
             )
-        if max_open_files is None:
-            max_open_files = default_max_open_files()
-        elif isinstance(max_open_files, bool) or not isinstance(max_open_files, int) or max_open_files < 1:
-            raise InvalidArgumentError(
-                f"max_open_files must be a positive int or None (from ulimit -n), got {max_open_files!r}")
-        self.max_open_files = max_open_files
+        # Half of the open-file limit (torch, sockets, readers and merges need files too).
+        self.max_open_files = check_max_open_files(max_open_files, 2, 1024)
         self._compression = self._check_compression(compression)
         self._writeback_bytes = int((writeback_mb or 0) * (1 << 20))
         self._writeback = Writeback(self._writeback_bytes)  # shared by the open segments (writer thread)
@@ -1429,12 +1425,6 @@ def open_part_records(path: Path) -> int:
         return part.n
     finally:
         part.close()
-
-
-def default_max_open_files() -> int:
-    """Half of the soft open-file limit minus 64 (torch, sockets, the reader and the merges need
-    files too), between 8 and 1024."""
-    return open_files_share(2, 1024)
 
 
 def _publish(pairs: list[tuple[Path, Path]], fsync: bool) -> None:
