@@ -198,3 +198,40 @@ def test_bad_recorder_arguments(tmp_path, kwargs, error, match):
 def test_bad_stats_spec(kwargs):
     with pytest.raises(InvalidArgumentError, match="StatsSpec"):
         StatsSpec(**kwargs)
+
+
+def test_more_hooked_modules_than_the_open_file_limit_are_all_recorded(tmp_path):
+    """80 handles under `ulimit -n 96` (the writer may keep 16 files open): every record lands,
+    through rotated segments, and equals what the model computed."""
+    import subprocess
+    import sys
+    import textwrap
+
+    d = tmp_path / "run"
+    child = textwrap.dedent(f"""
+        import resource
+        resource.setrlimit(resource.RLIMIT_NOFILE, (96, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+        import torch
+        from hookline.tracker import HookManager, Recorder
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(40)])
+        mgr = HookManager()
+        rec = Recorder({str(d)!r})
+        mods = dict(model.named_children())
+        mgr.register_forward_hook(rec.outputs, **mods)
+        mgr.register_backward_hook(rec.grads, **mods)
+        for step in range(3):
+            with rec.step(step):
+                model(torch.full((2, 8), float(step))).sum().backward()
+        print("ROTATED", rec.close().storage.rotated_segments)
+        with torch.no_grad():
+            torch.save(model(torch.full((2, 8), 2.0)), {str(tmp_path / "last.pt")!r})
+    """)
+    out = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert int(out.stdout.split("ROTATED")[1]) > 0
+    run = open_run(d)
+    assert len(run.handles) == 80
+    assert all(len(run[h]) == 3 for h in run.handles)
+    last = torch.load(tmp_path / "last.pt")
+    np.testing.assert_array_equal(run["outputs[39]"]["outputs.0"][2], last.numpy())
