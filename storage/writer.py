@@ -921,8 +921,9 @@ class RunWriter:
         cost an fsync per rotation): :meth:`_flush_all` fsyncs it with the next flush."""
         done = self._finish_segment(h)
         if done is not None:
-            self._publish_segments([done], fsync=False)
-            self._unsynced.append(h.sealed[-1].path)
+            final = self._publish_segments([done], fsync=False)[0]
+            if self.fsync:  # (without fsync nothing is synced: keeping the paths would only grow)
+                self._unsynced.append(final)
             self._stats.rotated_segments += 1
 
     def _file_attrs(self, h: _Handle) -> dict[str, Any]:
@@ -1121,8 +1122,9 @@ class RunWriter:
         self._current_path = None
         return h, seg.partial, seg.start, seg.start + len(seg.steps)
 
-    def _publish_segments(self, done: list[tuple[_Handle, Path, int, int]], fsync: bool) -> None:
-        """Publish finished segments as ``.h5seg`` files and add them to their handles."""
+    def _publish_segments(self, done: list[tuple[_Handle, Path, int, int]], fsync: bool) -> list[Path]:
+        """Publish finished segments as ``.h5seg`` files and add them to their handles; returns
+        their paths."""
         finals = [self.run_dir / segment_name(h.key, h.suffix, start, end) for h, _, start, end in done]
         self._current_path = done[0][1]
         _publish([(d[1], final) for d, final in zip(done, finals)], fsync)
@@ -1131,6 +1133,7 @@ class RunWriter:
                 h.sealed.append(_Seg(start, end, final, final.stat().st_size))
             h.stats.flushed = end
         self._current_path = None
+        return finals
 
     def _flush_all(self, fsync: bool) -> None:
         done = []

@@ -327,3 +327,16 @@ def test_merges_of_many_segments_open_a_bounded_number_of_files(tmp_path, monkey
         assert len(run[HID]) == 20
         for i, x in enumerate(want):
             np.testing.assert_array_equal(run[HID]["x"][i], x)
+
+
+def test_rotation_without_fsync_keeps_no_list_of_files_to_sync(tmp_path):
+    """fsync=False: nothing is ever fsynced, so rotated segments are not remembered (a week-long
+    run must not grow a list per rotation)."""
+    with RunWriter(tmp_path / "r", max_open_files=2, fsync=False) as w:
+        for i in range(6):
+            w.add_handle(f"outputs[m{i}]")
+        for step in range(5):
+            for i in range(6):
+                w.write(f"outputs[m{i}]", step, 0, {"x": np.ones(2, np.float32)})
+        w.flush()
+        assert w.stats().rotated_segments > 0 and w._unsynced == []
