@@ -455,6 +455,10 @@ class Part:
         self.path = Path(path)
         self._f: h5py.File | None = f
         self._lru = lru
+        # Reopened by absolute path (the working directory may change) and only if it is still the
+        # same file: a live run's writer may merge or replace it after the run was opened.
+        self._abs = Path(os.path.abspath(path))
+        self._ident = _identity(self._abs) if lru is not None else None
         self._closed = False
         self.generation = 0  # bumped at every reopen (PartField looks its dataset up again)
         a = f.attrs
@@ -514,9 +518,19 @@ class Part:
             if self._closed:
                 raise StorageError(f"{str(self.path)!r} was closed with its run; open the run again (open_run)")
             try:
-                f = h5py.File(self.path, "r", rdcc_nbytes=0)
+                same = _identity(self._abs) == self._ident
+                if same:
+                    f = h5py.File(self._abs, "r", rdcc_nbytes=0)
+            except FileNotFoundError as e:
+                raise StorageError(
+                    f"{str(self._abs)!r} is gone since the run was opened (the writer of a live run merges "
+                    f"segments); open the run again (open_run)") from e
             except OSError as e:
-                raise StorageError(f"cannot reopen {str(self.path)!r}: {e}") from e
+                raise StorageError(f"cannot reopen {str(self._abs)!r}: {e}") from e
+            if not same:
+                raise StorageError(
+                    f"{str(self._abs)!r} changed since the run was opened (the writer of a live or "
+                    f"continued run merged or rewrote it); open the run again (open_run)")
             self._f = f
             self.generation += 1
             if self._lru is not None:
@@ -538,6 +552,12 @@ class Part:
         if self._lru is not None:
             self._lru.forget(self)
         self._close_file()
+
+
+def _identity(path: Path) -> tuple[int, int, int, int]:
+    """What tells one file from another at the same path: device, inode, size, mtime."""
+    st = os.stat(path)
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
 
 
 def open_part(path: Path, lru: FileLRU | None = None) -> Part:
@@ -564,6 +584,73 @@ def ensure_filters() -> None:
 
 
 # --- merging -------------------------------------------------------------------------------------
+
+#: Most files one merge opens at once; merging more goes through intermediate files of this many
+#: each (a handle can have hundreds of segments: see RunWriter's max_open_files).
+MERGE_MAX_FILES = 32
+
+
+def open_parts(paths: Iterable[Path]) -> list[Part]:
+    """Open complete files; if one fails, close the ones already open and re-raise."""
+    parts: list[Part] = []
+    try:
+        for path in paths:
+            parts.append(open_part(path))
+    except BaseException:
+        for p in parts:
+            p.close()
+        raise
+    return parts
+
+
+def merge_files(paths: list[Path], out_path: Path, attrs: dict[str, Any],
+                compression_for: Callable[[str], str | None] | None = None, record_start: int = 0,
+                writeback: Writeback | int | None = WRITEBACK_BYTES,
+                mid_path: Callable[[int, int], Path] | None = None) -> int:
+    """:func:`merge_parts` of the complete files ``paths``, with at most :data:`MERGE_MAX_FILES` of
+    them open at once. Beyond that, groups are merged first into intermediate files at
+    ``mid_path(start, end)`` (name them like merge outputs, ``<key>.rSTART-END.h5seg.partial``,
+    so that one left by a crash is recognised as a leftover), which are removed at the end.
+
+    Returns:
+        The number of records written.
+    """
+    limit = MERGE_MAX_FILES
+    if len(paths) <= limit:
+        parts = open_parts(paths)
+        try:
+            return merge_parts(parts, out_path, attrs, compression_for, record_start=record_start,
+                               writeback=writeback)
+        finally:
+            for p in parts:
+                p.close()
+    if mid_path is None:
+        raise ValueError(f"merging {len(paths)} files (> {limit}) needs mid_path for intermediate files")
+    mids: list[Path] = []  # intermediate files, removed at the end
+    level: list[Path] = []  # the next level's inputs
+    try:
+        start = record_start
+        for i in range(0, len(paths), limit):
+            group = paths[i : i + limit]
+            parts = open_parts(group)
+            try:
+                n = sum(p.n for p in parts)
+                if len(group) == 1 or n == 0:  # nothing to merge (a single file keeps its name)
+                    level.extend(group if n else [])
+                else:
+                    mid = mid_path(start, start + n)
+                    mids.append(mid)  # before writing: a failed merge's output is removed too
+                    merge_parts(parts, mid, attrs, compression_for, record_start=start, writeback=writeback)
+                    level.append(mid)
+            finally:
+                for p in parts:
+                    p.close()
+            start += n
+        return merge_files(level, out_path, attrs, compression_for, record_start, writeback, mid_path)
+    finally:
+        for m in mids:
+            m.unlink(missing_ok=True)
+
 
 def merge_parts(parts: list[Part], out_path: Path, attrs: dict[str, Any],
                 compression_for: Callable[[str], str | None] | None = None,

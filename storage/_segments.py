@@ -43,7 +43,10 @@ class Discovery:
     end: int = 0
     gaps: list[tuple[int, int]] = field(default_factory=list)
     superseded: list[FileEntry] = field(default_factory=list)
+    #: segments being written when the writer stopped (their records were never flushed)
     partials: list[str] = field(default_factory=list)
+    #: outputs of merges that were interrupted (copies: their records are in other files)
+    leftovers: list[str] = field(default_factory=list)
     broken: list[tuple[str, str]] = field(default_factory=list)
 
 
@@ -90,7 +93,8 @@ def discover_files(run_dir: Path, key: str, suffix: str) -> Discovery:
     except FileNotFoundError:
         return out
     seg_re = re.compile(re.escape(base) + r"\.r(\d{12})-(\d{12})\.h5seg")
-    part_re = re.compile(re.escape(base) + r"(\.h5|\.r\d{12}(-\d{12})?\.h5seg)\.partial")
+    part_re = re.compile(re.escape(base) + r"\.r\d{12}\.h5seg\.partial")
+    leftover_re = re.compile(re.escape(base) + r"(\.h5|\.r\d{12}-\d{12}\.h5seg)\.partial")
     entries: list[FileEntry] = []
     for nm in names:
         if not nm.startswith(base + "."):
@@ -110,5 +114,7 @@ def discover_files(run_dir: Path, key: str, suffix: str) -> Discovery:
             continue
         if part_re.fullmatch(nm):
             out.partials.append(rel)
+        elif leftover_re.fullmatch(nm):
+            out.leftovers.append(rel)
     out.cover, out.superseded, out.gaps, out.end = cover(entries)
     return out

@@ -3,18 +3,22 @@
 Checks every handle's complete files (final ``.h5`` and sealed ``.h5seg`` segments): they open,
 their indexes are consistent, the last record of every field reads. With ``repair=True``:
 
-* files still being written when the writer died (``*.partial``) and files that do not open or
-  are inconsistent are **moved** to ``<run>/.quarantine/`` (never deleted);
+* files still being written when the writer died (``<key>.rSTART.h5seg.partial``), outputs of
+  interrupted merges (``<key>.rSTART-END.h5seg.partial``, ``<key>.h5.partial``: copies) and files
+  that do not open or are inconsistent are **moved** to ``<run>/.quarantine/`` (never deleted);
 * each handle's readable files are merged into one ``<key>.h5`` (written as ``.h5.partial``,
   fsynced, renamed); segments are deleted only after the merged file was re-opened and holds
   all their records;
 * the manifest is rewritten (records, fields, ``status: "closed"``).
 
-Nothing is ever deleted that is not also in a verified file.
+Nothing is ever deleted that is not also in a verified file. Files are checked one at a time and
+merged with a bounded number open, so handles with thousands of segments verify under any
+open-file limit; running out of file handles raises instead of quarantining good files.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 from dataclasses import asdict, dataclass, field
@@ -23,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from ._h5file import Part, merge_parts, open_part
+from ._h5file import Part, merge_files, open_part
 from ._segments import discover_files
 from .errors import FormatError, StorageError
 from .format import (
@@ -34,6 +38,7 @@ from .format import (
     manifest_name,
     now_iso,
     rank_suffix,
+    segment_name,
 )
 from .reader import LocalSource, _synthesise_manifests
 
@@ -256,88 +261,127 @@ def _verify_handle(run_dir: Path, m: dict, hid: str, entry: dict, suffix: str, r
     while True:
         d = discover_files(run_dir, key, suffix)
         bad: list[tuple[str, str]] = list(d.broken)
-        parts: list[Part] = []
-        for fe in d.cover:
-            try:
-                p = open_part(run_dir / fe.name)
-            except Exception as e:
-                bad.append((fe.name, f"{type(e).__name__}: {e}"))
-                continue
-            try:
-                if p.handle_id != hid:
-                    raise FormatError(f"belongs to handle {p.handle_id!r}")
-                _check_part(p)
-                parts.append(p)
-            except Exception as e:
-                p.close()
-                bad.append((fe.name, f"{type(e).__name__}: {e}"))
+        good: list[_Checked] = []
+        for fe in d.cover:  # one file open at a time: a handle may have thousands of segments
+            checked = _check_file(run_dir, fe.name, hid)
+            if isinstance(checked, str):
+                bad.append((fe.name, checked))
+            else:
+                good.append(checked)
         if not bad or not repair:
             break
-        for p in parts:
-            p.close()
         for rel, why in bad:
             dst = _quarantine(run_dir, rel, report)
             hr.repaired.append(f"moved unreadable {rel} to {dst} ({why})")
-    try:
-        for rel, why in bad:
-            hr.problems.append(f"unreadable file {rel}: {why}")
-        for rel in d.partials:
+    for rel, why in bad:
+        hr.problems.append(f"unreadable file {rel}: {why}")
+    for rels, what, why in (
+        (d.partials, "unflushed partial file", "written when the writer stopped; its records were never flushed"),
+        (d.leftovers, "interrupted merge output",
+         "a copy: its records are in other files; the next writer or verify(repair=True) removes it"),
+    ):
+        for rel in rels:
             if repair:
                 dst = _quarantine(run_dir, rel, report)
-                hr.repaired.append(f"moved unflushed partial file {rel} to {dst}")
+                hr.repaired.append(f"moved {what} {rel} to {dst}")
             else:
-                hr.problems.append(f"unflushed partial file {rel} (written when the writer stopped; "
-                                   f"its records were never flushed)")
-        for a, b in d.gaps:
-            hr.problems.append(f"records [{a}, {b}) are missing (no file holds them)")
-        hr.files = [p.path.relative_to(run_dir).as_posix() for p in parts]
-        hr.records = sum(p.n for p in parts)
-        for p in parts:
-            for nm in p.field_names:
-                hr.fields[nm] = hr.fields.get(nm, 0) + p.field(nm).count
-        claimed = entry.get("records")
-        if isinstance(claimed, int) and claimed > hr.records:
-            hr.problems.append(f"manifest says {claimed} records, {hr.records} readable")
-        final_rel = final_name(key, suffix)
-        clean = len(parts) == 1 and hr.files == [final_rel] and not d.superseded
-        if not clean and not repair and (len(parts) > 1 or d.superseded or (parts and hr.files != [final_rel])):
-            hr.problems.append(f"not merged: {len(parts)} complete files, {len(d.superseded)} redundant "
-                               f"(run verify with repair=True to merge into {final_rel})")
-        if repair and not clean:
-            _merge_handle(run_dir, parts, final_rel, hid, entry, m, hr)
-            parts = []
-            hr.problems = [p for p in hr.problems if not p.startswith("records [")]
-            for fe in d.superseded:
-                _remove_if_contained(run_dir, fe.name, hr, report)
-        if repair:
-            entry["records"] = hr.records
-            fields = entry.setdefault("fields", {})
-            fp = open_part(run_dir / final_rel) if (run_dir / final_rel).exists() else None
-            if fp is not None:
-                for nm in fp.field_names:
-                    pf = fp.field(nm)
-                    fields[nm] = {"dtype": pf.dtype_name, "shape": list(pf.shape) if pf.shape is not None else None}
-                fp.close()
-            entry["segments"] = 0
-            entry["file"] = final_rel
-            hr.problems = [p for p in hr.problems if p.startswith("manifest says")]
-            if hr.problems:
-                entry["lost"] = hr.problems
-                hr.repaired.append("manifest updated to the readable records")
-                hr.problems = []
-    finally:
-        for p in parts:
-            p.close()
+                hr.problems.append(f"{what} {rel} ({why})")
+    for a, b in d.gaps:
+        hr.problems.append(f"records [{a}, {b}) are missing (no file holds them)")
+    hr.files = [c.rel for c in good]
+    hr.records = sum(c.n for c in good)
+    for c in good:
+        for nm, count in c.counts.items():
+            hr.fields[nm] = hr.fields.get(nm, 0) + count
+    claimed = entry.get("records")
+    if isinstance(claimed, int) and claimed > hr.records:
+        hr.problems.append(f"manifest says {claimed} records, {hr.records} readable")
+    final_rel = final_name(key, suffix)
+    clean = len(good) == 1 and hr.files == [final_rel] and not d.superseded
+    if not clean and not repair and (len(good) > 1 or d.superseded or (good and hr.files != [final_rel])):
+        hr.problems.append(f"not merged: {len(good)} complete files, {len(d.superseded)} redundant "
+                           f"(run verify with repair=True to merge into {final_rel})")
+    if repair and not clean:
+        _merge_handle(run_dir, good, final_rel, hid, entry, m, hr, suffix)
+        hr.problems = [p for p in hr.problems if not p.startswith("records [")]
+        for fe in d.superseded:
+            _remove_if_contained(run_dir, fe.name, hr, report)
+    if repair:
+        entry["records"] = hr.records
+        fields = entry.setdefault("fields", {})
+        fp = open_part(run_dir / final_rel) if (run_dir / final_rel).exists() else None
+        if fp is not None:
+            for nm in fp.field_names:
+                pf = fp.field(nm)
+                fields[nm] = {"dtype": pf.dtype_name, "shape": list(pf.shape) if pf.shape is not None else None}
+            fp.close()
+        entry["segments"] = 0
+        entry["file"] = final_rel
+        hr.problems = [p for p in hr.problems if p.startswith("manifest says")]
+        if hr.problems:
+            entry["lost"] = hr.problems
+            hr.repaired.append("manifest updated to the readable records")
+            hr.problems = []
     return hr
 
 
-def _merge_handle(run_dir: Path, parts: list[Part], final_rel: str, hid: str, entry: dict, m: dict,
-                  hr: HandleReport) -> None:
+@dataclass
+class _Checked:
+    """What verify keeps of a complete file that passed its checks (the file itself is closed)."""
+
+    rel: str
+    n: int
+    counts: dict[str, int]
+    attrs: dict[str, Any]
+    compression: dict[str, str | None]
+
+
+#: errnos that say something about the machine, not the file: never a reason to quarantine.
+_ENVIRONMENT_ERRNOS = {errno.EMFILE, errno.ENFILE, errno.ENOMEM}
+
+
+def _check_file(run_dir: Path, rel: str, hid: str) -> _Checked | str:
+    """Open, check and close one complete file: its summary, or why it is unreadable.
+
+    Raises:
+        StorageError: the machine, not the file, failed (out of file handles or memory).
+    """
+    try:
+        p = open_part(run_dir / rel)
+    except Exception as e:
+        _raise_if_environment(e, rel)
+        return f"{type(e).__name__}: {e}"
+    try:
+        if p.handle_id != hid:
+            raise FormatError(f"belongs to handle {p.handle_id!r}")
+        counts = _check_part(p)
+        compression = {}
+        for nm in p.field_names:
+            c = p.field(nm).ds.compression
+            compression[nm] = c if c in ("gzip", "lzf") else None
+        return _Checked(rel, p.n, counts, dict(p.attrs), compression)
+    except Exception as e:
+        _raise_if_environment(e, rel)
+        return f"{type(e).__name__}: {e}"
+    finally:
+        p.close()
+
+
+def _raise_if_environment(e: BaseException, rel: str) -> None:
+    code = getattr(e, "errno", None)
+    if code in _ENVIRONMENT_ERRNOS or any(f"errno = {c}," in str(e) for c in _ENVIRONMENT_ERRNOS):
+        raise StorageError(
+            f"cannot check {rel!r}: {e} (the machine ran out of resources, the file may be fine; "
+            f"raise ulimit -n or free memory and run verify again; nothing was moved)") from e
+
+
+def _merge_handle(run_dir: Path, good: list[_Checked], final_rel: str, hid: str, entry: dict, m: dict,
+                  hr: HandleReport, suffix: str) -> None:
     final = run_dir / final_rel
     tmp = final.with_name(final.name + ".partial")
     final.parent.mkdir(parents=True, exist_ok=True)
-    if parts:
-        attrs = {k: v for k, v in parts[0].attrs.items()
+    if good:
+        attrs = {k: v for k, v in good[0].attrs.items()
                  if k not in ("records", "record_start", "fields", "hookline_format", "format_version")}
     else:
         attrs = {"handle_id": hid, "key": entry["key"], "module_name": entry.get("module_name", ""),
@@ -345,15 +389,14 @@ def _merge_handle(run_dir: Path, parts: list[Part], final_rel: str, hid: str, en
                  "hook_fn_name": entry.get("hook_fn_name", ""), "meta": json.dumps(entry.get("meta", {})),
                  "rank": np.int64(-1 if m.get("rank") is None else m["rank"]),
                  "world_size": np.int64(-1 if m.get("world_size") is None else m["world_size"])}
-    comp = {}
-    for p in parts:
-        for nm in p.field_names:
-            ds = p.field(nm).ds
-            comp.setdefault(nm, ds.compression if ds.compression in ("gzip", "lzf") else None)
-    n = merge_parts(parts, tmp, attrs, lambda nm: comp.get(nm))
-    merged = [p.path for p in parts]
-    for p in parts:
-        p.close()
+    comp: dict[str, str | None] = {}
+    for c in good:
+        for nm, method in c.compression.items():
+            comp.setdefault(nm, method)
+    merged = [run_dir / c.rel for c in good]
+    key = entry["key"]
+    n = merge_files(merged, tmp, attrs, lambda nm: comp.get(nm),
+                    mid_path=lambda a, b: run_dir / (segment_name(key, suffix, a, b) + ".partial"))
     fsync_file(tmp)
     check = open_part(tmp)
     try:

@@ -36,8 +36,7 @@ from ._h5file import (
     Writeback,
     compression_kwargs,
     check_max_open_files,
-    merge_parts,
-    open_part,
+    merge_files,
 )
 from ._segments import discover_files
 from .errors import (
@@ -80,9 +79,6 @@ COMPACT_FANIN = 8
 #: No compaction while a handle has fewer sealed segments (each merge copies data; a few dozen
 #: files are cheap, and close() merges everything once anyway).
 COMPACT_MIN_SEGMENTS = 32
-#: Most files one merge opens at once; merging more goes through intermediate files of this
-#: many each (segments sealed to stay within max_open_files can be many per handle).
-MERGE_MAX_FILES = 32
 
 
 @dataclass
@@ -899,6 +895,14 @@ class RunWriter:
                     os.remove(self.run_dir / rel.name)
                 except FileNotFoundError:
                     pass
+        for rel_name in parts.leftovers:
+            # Outputs of merges a crash interrupted: copies of records still in their inputs
+            # (inputs are removed only after the output is published). This writer holds the run's
+            # lock, so no merge is running on them.
+            try:
+                os.remove(self.run_dir / rel_name)
+            except FileNotFoundError:
+                pass
         h.next_record = parts.end
         h.stats.flushed = parts.end
         self._dirty = True
@@ -1251,51 +1255,10 @@ class RunWriter:
 
     def _merge_files(self, h: _Handle, paths: list, out: Path, record_start: int = 0) -> None:
         """Copy the records of the complete files ``paths`` (in order) into the new file ``out``,
-        with at most :data:`MERGE_MAX_FILES` inputs open at once."""
-        if len(paths) > MERGE_MAX_FILES:
-            mids: list[Path] = []  # intermediate files, removed at the end
-            level: list[Path] = []  # the next level's inputs
-            try:
-                start = record_start
-                for i in range(0, len(paths), MERGE_MAX_FILES):
-                    group = paths[i : i + MERGE_MAX_FILES]
-                    if len(group) == 1:  # nothing to merge (and its own name is taken)
-                        level.append(group[0])
-                        start += open_part_records(group[0])
-                        continue
-                    mid, n = self._merge_group(h, group, start)
-                    if mid is not None:
-                        mids.append(mid)
-                        level.append(mid)
-                    start += n
-                self._merge_files(h, level, out, record_start)
-            finally:
-                for m in mids:
-                    m.unlink(missing_ok=True)
-            return
-        parts = [open_part(p) for p in paths]
-        try:
-            merge_parts(parts, out, self._file_attrs(h), self._compression_for, record_start=record_start,
-                        writeback=self._writeback_bytes)
-        finally:
-            for p in parts:
-                p.close()
-
-    def _merge_group(self, h: _Handle, paths: list, start: int) -> tuple[Path | None, int]:
-        """Merge ``paths`` into an intermediate ``.h5seg.partial`` numbered from ``start``;
-        returns it (None when the files hold no record) and its record count."""
-        parts = [open_part(p) for p in paths]
-        try:
-            n = sum(p.n for p in parts)
-            if n == 0:
-                return None, 0
-            mid = self.run_dir / (segment_name(h.key, h.suffix, start, start + n) + ".partial")
-            merge_parts(parts, mid, self._file_attrs(h), self._compression_for, record_start=start,
-                        writeback=self._writeback_bytes)
-            return mid, n
-        finally:
-            for p in parts:
-                p.close()
+        with at most ``MERGE_MAX_FILES`` inputs open at once."""
+        merge_files(list(paths), out, self._file_attrs(h), self._compression_for, record_start=record_start,
+                    writeback=self._writeback_bytes,
+                    mid_path=lambda a, b: self.run_dir / (segment_name(h.key, h.suffix, a, b) + ".partial"))
 
     def _merge_segments(self, h: _Handle, run: list[_Seg]) -> None:
         start, end = run[0].start, run[-1].end
@@ -1419,15 +1382,6 @@ def _pick_merge(sizes: list[int]) -> tuple[int, int] | None:
         i -= 1
         total += sizes[i]
     return (i, n)
-
-
-def open_part_records(path: Path) -> int:
-    """Records in one complete file."""
-    part = open_part(path)
-    try:
-        return part.n
-    finally:
-        part.close()
 
 
 def _publish(pairs: list[tuple[Path, Path]], fsync: bool) -> None:

@@ -221,3 +221,30 @@ def test_bad_reader_max_open_files_is_refused(tmp_path, bad):
     _many_handles_run(d, n=1, records=1)
     with pytest.raises(InvalidArgumentError, match="max_open_files"):
         open_run(d, max_open_files=bad)
+
+
+def test_an_evicted_file_that_changed_is_refused_not_misread(tmp_path, monkeypatch):
+    """A file the LRU closed is reopened only if it is still the same file: a continued run that
+    rewrote `a.h5` (here with another record shape) makes a kept field raise, never return the
+    new file's bytes. A relative run path survives a change of the working directory."""
+    d = tmp_path / "run"
+    with RunWriter(d, fsync=False) as w:
+        for h in ("a", "b"):
+            w.add_handle(h)
+            w.write(h, 0, 0, {"x": np.array([10, 11, 12], np.float32)})
+    monkeypatch.chdir(tmp_path)
+    run = open_run("run", max_open_files=1)
+    fa = run["a"]["x"]
+    np.testing.assert_array_equal(fa[0], [10, 11, 12])
+    run["b"]["x"][0]  # evicts a.h5
+    monkeypatch.chdir("/")
+    np.testing.assert_array_equal(fa[0], [10, 11, 12])  # reopened by its absolute path
+    run["b"]["x"][0]
+    with RunWriter(d, fsync=False) as w:  # continue the run: a.h5 is merged anew, ragged now
+        w.add_handle("a")
+        w.write("a", 1, 0, {"x": np.array([1, 2], np.float32)})
+    with pytest.raises(StorageError, match="changed since the run was opened"):
+        fa[0]
+    run.close()
+    with open_run(d) as again:
+        assert [again["a"]["x"][i].tolist() for i in range(2)] == [[10, 11, 12], [1, 2]]

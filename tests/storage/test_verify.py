@@ -99,3 +99,74 @@ def test_repair_refuses_a_live_run(run_dir):
         verify(run_dir, repair=True)
     w.close()
     assert verify(run_dir).ok
+
+
+def _rotated_run(d, records=150):
+    """One handle in `records` segments (a writer with one open file and two handles rotates at
+    every record; merge_on_close=False keeps the segments)."""
+    from hookline.storage import RunWriter
+
+    with RunWriter(d, max_open_files=1, merge_on_close=False, fsync=False) as w:
+        w.add_handle("a")
+        w.add_handle("b")
+        for s in range(records):
+            w.write("a", s, 0, {"x": np.full(3, s, np.float32)})
+            w.write("b", s, 0, {"x": np.full(3, -s, np.float32)})
+
+
+def test_repair_of_a_handle_with_more_segments_than_open_files(tmp_path):
+    """verify checks one file at a time and merges in bounded groups: 150 segments under
+    `ulimit -n 128` are all kept and merged (none mistaken for unreadable)."""
+    import subprocess
+    import sys
+    import textwrap
+
+    d = tmp_path / "r"
+    _rotated_run(d)
+    assert len(list(d.glob("a.r*.h5seg"))) == 150
+    child = textwrap.dedent(f"""
+        import resource
+        resource.setrlimit(resource.RLIMIT_NOFILE, (128, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+        from hookline.storage import verify
+        report = verify({str(d)!r}, repair=True)
+        print("OK", report.ok, [h.records for h in report.handles])
+    """)
+    out = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "OK True [150, 150]" in out.stdout
+    assert not (d / ".quarantine").exists()
+    run = open_run(d)
+    assert run["a"]["x"].read()[:, 0].tolist() == list(range(150))
+
+
+def test_running_out_of_file_handles_is_an_error_not_a_damaged_file(tmp_path):
+    """EMFILE while checking a file says so (StorageError, raised before verify moves anything)
+    instead of calling the file unreadable, which repair would quarantine."""
+    import subprocess
+    import sys
+    import textwrap
+
+    d = tmp_path / "r"
+    _rotated_run(d, records=5)
+    seg = sorted(p.name for p in d.glob("a.r*.h5seg"))[0]
+    child = textwrap.dedent(f"""
+        import resource
+        resource.setrlimit(resource.RLIMIT_NOFILE, (64, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+        from pathlib import Path
+        from hookline.storage import StorageError
+        from hookline.storage.verify import _check_file
+        print("FINE", type(_check_file(Path({str(d)!r}), {seg!r}, "a")).__name__)
+        hog = []
+        try:
+            while True:
+                hog.append(open("/dev/null"))
+        except OSError:
+            pass
+        try:
+            print("RESULT", _check_file(Path({str(d)!r}), {seg!r}, "a"))
+        except StorageError as e:
+            print("ERROR", e)
+    """)
+    out = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=300)
+    assert "FINE _Checked" in out.stdout, out.stdout + out.stderr
+    assert "ERROR" in out.stdout and "ulimit -n" in out.stdout and "nothing was moved" in out.stdout, out.stdout

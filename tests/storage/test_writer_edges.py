@@ -294,9 +294,11 @@ def test_bad_max_open_files_is_refused(tmp_path, bad):
 def test_merges_of_many_segments_open_a_bounded_number_of_files(tmp_path, monkeypatch):
     """close() merges every segment of a handle; with more segments than MERGE_MAX_FILES it goes
     through intermediate files, never holding more inputs open at once, and loses nothing."""
-    monkeypatch.setattr(writer_mod, "MERGE_MAX_FILES", 3)
+    import hookline.storage._h5file as h5file_mod
+
+    monkeypatch.setattr(h5file_mod, "MERGE_MAX_FILES", 3)
     open_now, peak = [0], [0]
-    real_open = writer_mod.open_part
+    real_open = h5file_mod.open_part
 
     def counting_open(path):
         part = real_open(path)
@@ -310,7 +312,7 @@ def test_merges_of_many_segments_open_a_bounded_number_of_files(tmp_path, monkey
         part.close = close
         return part
 
-    monkeypatch.setattr(writer_mod, "open_part", counting_open)
+    monkeypatch.setattr(h5file_mod, "open_part", counting_open)
     d = tmp_path / "r"
     want = []
     with RunWriter(d, fsync=False) as w:
@@ -340,3 +342,49 @@ def test_rotation_without_fsync_keeps_no_list_of_files_to_sync(tmp_path):
                 w.write(f"outputs[m{i}]", step, 0, {"x": np.ones(2, np.float32)})
         w.flush()
         assert w.stats().rotated_segments > 0 and w._unsynced == []
+
+
+def test_outputs_of_a_merge_killed_midway_are_removed_by_the_next_writer(tmp_path):
+    """SIGKILL during close()'s grouped merge leaves intermediate `.rA-B.h5seg.partial` copies:
+    verify calls them merge leftovers (not lost records), and the next writer removes them."""
+    import subprocess
+    import textwrap
+
+    from hookline.storage import verify
+
+    d = tmp_path / "r"
+    child = textwrap.dedent(f"""
+        import os, signal
+        import numpy as np
+        import hookline.storage._h5file as H
+        from hookline.storage import RunWriter
+        H.MERGE_MAX_FILES = 4
+        real, calls = H.merge_parts, [0]
+        def killing(*a, **k):
+            calls[0] += 1
+            if calls[0] == 3:  # during the third group merge of close()
+                os.kill(os.getpid(), signal.SIGKILL)
+            return real(*a, **k)
+        H.merge_parts = killing
+        w = RunWriter({str(d)!r}, autoflush_s=None, fsync=False)
+        w.add_handle("a")
+        for s in range(20):
+            w.write("a", s, 0, {{"x": np.full(3, s, np.float32)}})
+            w.flush()
+        w.close()
+    """)
+    out = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=300)
+    assert out.returncode == -9, out.stdout + out.stderr
+    leftovers = sorted(p.name for p in d.glob("*.partial"))
+    assert leftovers and all("-" in n for n in leftovers)  # ranged names: merge outputs
+    report = verify(d)
+    problems = [p for h in report.handles for p in h.problems]
+    assert any("interrupted merge output" in p for p in problems)
+    assert not any("never flushed" in p for p in problems)
+    with RunWriter(d, fsync=False) as w:
+        w.add_handle("a")
+        w.write("a", 20, 0, {"x": np.full(3, 20, np.float32)})
+    assert sorted(p.name for p in d.iterdir() if not p.name.startswith(".")) == ["a.h5", "manifest.json"]
+    assert verify(d).ok
+    with open_run(d) as run:
+        assert run["a"]["x"].read()[:, 0].tolist() == list(range(21))
