@@ -313,7 +313,8 @@ def _verify_handle(run_dir: Path, m: dict, hid: str, entry: dict, suffix: str, r
         if fp is not None:
             for nm in fp.field_names:
                 pf = fp.field(nm)
-                fields[nm] = {"dtype": pf.dtype_name, "shape": list(pf.shape) if pf.shape is not None else None}
+                fields[nm] = {"dtype": pf.dtype_name, "shape": list(pf.shape) if pf.shape is not None else None,
+                              "ndim": pf.ndim}  # as the writer's manifest: a continued run checks it
             fp.close()
         entry["segments"] = 0
         entry["file"] = final_rel

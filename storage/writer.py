@@ -235,6 +235,16 @@ _FIXES = {
 }
 
 
+def _check_steps(handle_id: str, steps: list[int], calls: list[int]) -> None:
+    """Steps and calls are stored as int64: each must be in ``[0, MAX_STEP]`` (non-empty lists)."""
+    if min(steps) < 0 or min(calls) < 0 or max(steps) > MAX_STEP or max(calls) > MAX_STEP:
+        got = (f"step={steps[0]!r}, call={calls[0]!r}" if len(steps) == 1
+               else f"steps {steps[:8]} calls {calls[:8]}")
+        raise InvalidArgumentError(
+            f"step and call numbers of {handle_id!r} must be non-negative ints up to 2**63 - 1 (stored as "
+            f"int64), got {got}")
+
+
 def _errno_of(e: BaseException) -> int | None:
     n = getattr(e, "errno", None)
     if isinstance(n, int):
@@ -501,13 +511,9 @@ class RunWriter:
             UnknownNameError, InvalidArgumentError, HookTypeError: bad arguments.
         """
         h = self._open_handle(handle_id)
-        step = int(operator.index(step))
-        call = int(operator.index(call))
-        if not (0 <= step <= MAX_STEP and 0 <= call <= MAX_STEP):
-            raise InvalidArgumentError(
-                f"step and call must be non-negative ints up to 2**63 - 1 (stored as int64), got step={step!r}, "
-                f"call={call!r} for {handle_id!r}")
-        return self._put(h, [step], [call], fields, None)
+        steps, calls = [int(operator.index(step))], [int(operator.index(call))]
+        _check_steps(handle_id, steps, calls)
+        return self._put(h, steps, calls, fields, None)
 
     def write_block(self, handle_id: str, steps: Any, calls: Any, fields: Mapping[str, FieldValue]) -> bool:
         """Queue ``k`` records of one handle at once (one queue entry, one validation).
@@ -535,10 +541,7 @@ class RunWriter:
         if type(steps) is list and type(calls) is list and len(steps) == len(calls) and steps:
             # The recorder's case, checked in Python: numpy's checks of a few ints cost ~50 us.
             if all(type(v) is int for v in steps) and all(type(v) is int for v in calls):
-                if min(steps) < 0 or min(calls) < 0 or max(steps) > MAX_STEP or max(calls) > MAX_STEP:
-                    raise InvalidArgumentError(
-                        f"write_block({handle_id!r}): steps and calls must be non-negative ints up to 2**63 - 1 "
-                        f"(stored as int64), got steps {steps[:8]} calls {calls[:8]}")
+                _check_steps(handle_id, steps, calls)
                 return self._put(h, steps[:], calls[:], fields, len(steps))  # copies: the caller keeps its lists
         st = np.asarray(steps)
         ca = np.asarray(calls)
@@ -548,12 +551,9 @@ class RunWriter:
             raise InvalidArgumentError(
                 f"write_block({handle_id!r}): steps and calls must be 1-D integer sequences of the same "
                 f"length, got steps {st.dtype} {st.shape} and calls {ca.dtype} {ca.shape}")
-        too_big = any(a.dtype == np.uint64 and bool((a > MAX_STEP).any()) for a in (st, ca))
-        if too_big or (st < 0).any() or (ca < 0).any():
-            raise InvalidArgumentError(
-                f"write_block({handle_id!r}): steps and calls must be non-negative ints up to 2**63 - 1 (stored as "
-                f"int64), got steps {st.tolist()[:8]} calls {ca.tolist()[:8]}")
-        return self._put(h, st.tolist(), ca.tolist(), fields, len(st))
+        steps, calls = st.tolist(), ca.tolist()
+        _check_steps(handle_id, steps, calls)
+        return self._put(h, steps, calls, fields, len(st))
 
     def _open_handle(self, handle_id: str) -> _Handle:
         if self._closed or self._closing:
@@ -891,18 +891,12 @@ class RunWriter:
             # Inputs of a merge whose output was renamed into place before a crash: every record
             # is in a covering file, so they go now (close() promises one file per handle).
             if any(c.start <= rel.start and rel.end <= c.end for c in parts.cover):
-                try:
-                    os.remove(self.run_dir / rel.name)
-                except FileNotFoundError:
-                    pass
+                (self.run_dir / rel.name).unlink(missing_ok=True)
         for rel_name in parts.leftovers:
             # Outputs of merges a crash interrupted: copies of records still in their inputs
             # (inputs are removed only after the output is published). This writer holds the run's
             # lock, so no merge is running on them.
-            try:
-                os.remove(self.run_dir / rel_name)
-            except FileNotFoundError:
-                pass
+            (self.run_dir / rel_name).unlink(missing_ok=True)
         h.next_record = parts.end
         h.stats.flushed = parts.end
         self._dirty = True
@@ -1221,10 +1215,7 @@ class RunWriter:
                 self._merge_files(h, [*h.base, *(s.path for s in segs)], tmp)
             _publish([(tmp, final)], self.fsync)
             for s in segs:
-                try:
-                    os.unlink(s.path)
-                except FileNotFoundError:
-                    pass
+                s.path.unlink(missing_ok=True)
         with self._seg_lock:
             h.sealed = []
             h.base = [final]
@@ -1270,10 +1261,7 @@ class RunWriter:
             i = h.sealed.index(run[0])
             h.sealed[i : i + len(run)] = [_Seg(start, end, out, out.stat().st_size)]
         for s in run:
-            try:
-                os.unlink(s.path)
-            except FileNotFoundError:
-                pass
+            s.path.unlink(missing_ok=True)
 
     # --- manifest -------------------------------------------------------------------------------------
     def _manifest(self, status: str) -> dict[str, Any]:

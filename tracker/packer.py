@@ -178,14 +178,15 @@ class BlockPacker:
 
     def _new_block(self, handle_id: str, names: list[str], tensors: list[torch.Tensor],
                    cast: torch.dtype | None, stats: bool) -> _Block:
-        cuda = any(t.is_cuda for t in tensors)
+        srcs = [(t.shape, t.dtype, t.is_cuda) for t in tensors]  # what _Block.matches compares
+        cuda = any(c for _, _, c in srcs)
         dtypes = [cast if cast is not None and t.is_floating_point() else t.dtype for t in tensors]
         record_bytes = sum(t.numel() * dt.itemsize for t, dt in zip(tensors, dtypes))
         if self._changes.get(handle_id, 0) >= RAGGED_AFTER:
             cap = 1
             # Ragged handles whose shape settles (one short last batch per epoch made them
             # ragged) get full blocks again after RAGGED_RESET records of one signature.
-            sig = (tuple(names), tuple((t.shape, t.dtype, t.is_cuda) for t in tensors))
+            sig = (tuple(names), tuple(srcs))
             last, same = self._last_sig.get(handle_id, (None, 0))
             same = same + 1 if sig == last else 1
             self._last_sig[handle_id] = (sig, same)
@@ -195,7 +196,7 @@ class BlockPacker:
         else:
             cap = self._block_records(max(1, record_bytes))
         bufs = [self.pool.take(torch.Size((cap, *t.shape)), dt, pin=cuda) for t, dt in zip(tensors, dtypes)]
-        blk = _Block(list(names), [(t.shape, t.dtype, t.is_cuda) for t in tensors], bufs, cap, cuda, stats)
+        blk = _Block(list(names), srcs, bufs, cap, cuda, stats)
         self._open[handle_id] = blk
         self._open_bytes += blk.nbytes
         if self._oldest is None:
