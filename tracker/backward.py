@@ -27,6 +27,7 @@ inputs) fires from an engine callback at the end of the pass.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Sequence
 from functools import partial
 from typing import TYPE_CHECKING, Any
@@ -46,6 +47,7 @@ _Tensor = torch.Tensor
 _queue_callback = torch.autograd.Variable._execution_engine.queue_callback
 _graph_task_id = torch._C._current_graph_task_id
 _set_versions = torch._C._autograd._unsafe_set_version_counter
+_functorch_active = torch._C._are_functorch_transforms_active
 
 
 class _CallInputs(torch.autograd.Function):
@@ -63,6 +65,28 @@ class _CallInputs(torch.autograd.Function):
     def backward(ctx: Any, *grads: _Tensor | None) -> tuple[_Tensor | None, ...]:  # type: ignore[override]
         ctx.call.on_grad_in(grads)
         return (None, *grads)
+
+
+# torch's C ``apply``, bound to _CallInputs: ``Function.apply`` adds a Python layer (functorch
+# checks, argument unwrapping) that costs ~25 us per call inside a training step, where the
+# matmuls have evicted it from the caches. Used only while no functorch transform is active.
+_call_inputs_apply = torch._C._FunctionBase.__dict__["apply"].__get__(None, _CallInputs)
+
+
+def _watch(t: _Tensor, hook: Any) -> None:
+    """``t.register_hook(hook)`` without the handle (never removed: the hook lives and dies with
+    ``t``'s graph node). Tensor.register_hook builds a RemovableHandle and an OrderedDict in
+    Python on every call; the first hook of a tensor goes straight into a dict here (the same
+    C++ hook registration torch uses), under a key no RemovableHandle can take."""
+    if t._backward_hooks is None and type(t) is _Tensor:  # subclasses: their own register_hook
+        t._backward_hooks = OrderedDict(((_HOOK_KEY, hook),))  # RemovableHandle needs weakrefs
+        t.grad_fn._register_hook_dict(t)
+    else:
+        t.register_hook(hook)
+
+
+_HOOK_KEY = "hookline"  # RemovableHandle ids are ints
+_ONE = (0,)
 
 
 class _Rebase(torch.autograd.Function):
@@ -100,6 +124,8 @@ class PendingInputs:
         caller keeps one tensor object, as without hooks: later in-place ops on the returned
         value then also update the history of every reference the caller holds.
         """
+        if len(self.inputs) == 1 and self.inputs[0]._version == self.versions[0]:
+            return outputs  # the common case: nothing modified
         modified: dict[int, tuple[_Tensor, list[_Tensor]]] = {}  # id(t) -> (t, its aliases)
         for t, v, alias in zip(self.inputs, self.versions, self.aliases):
             if t._version != v:
@@ -128,7 +154,10 @@ class BackwardCall:
     def __init__(self, module: nn.Module, handles: tuple[HookHandle, ...], inputs: Leaves) -> None:
         self.module = module
         self.handles = handles
-        self.in_index = tuple(i for i, t in enumerate(inputs) if t.requires_grad)
+        if len(inputs) == 1:  # the common case, without a generator
+            self.in_index = _ONE if inputs[0].requires_grad else ()
+        else:
+            self.in_index = tuple(i for i, t in enumerate(inputs) if t.requires_grad)
         self.in_paths = inputs.paths
         self.in_skipped = inputs.skipped
         self.out_paths: tuple[str, ...] = ()
@@ -146,7 +175,10 @@ class BackwardCall:
         if not self.in_index:
             return inputs, None
         originals = [inputs[i] for i in self.in_index]
-        aliases = _CallInputs.apply(self, *originals)
+        if _functorch_active():
+            aliases = _CallInputs.apply(self, *originals)
+        else:
+            aliases = _call_inputs_apply(self, *originals)
         new = list(inputs)
         for i, a in zip(self.in_index, aliases):
             new[i] = a
@@ -156,6 +188,11 @@ class BackwardCall:
         """Register one tensor hook per distinct grad-requiring, non-leaf output tensor."""
         self.out_paths = outputs.paths
         self.out_skipped = outputs.skipped
+        if len(outputs) == 1:  # the common case, without the bookkeeping of repeated tensors
+            if outputs[0].grad_fn is not None:
+                _watch(outputs[0], partial(self._on_grad_out, _ONE))
+                self.expected = 1
+            return
         positions: dict[int, list[int]] = {}
         tensors: list[_Tensor] = []
         for i, t in enumerate(outputs):
@@ -166,7 +203,7 @@ class BackwardCall:
                     positions[id(t)] = [i]
                     tensors.append(t)
         for t in tensors:
-            t.register_hook(partial(self._on_grad_out, positions[id(t)]))
+            _watch(t, partial(self._on_grad_out, positions[id(t)]))
         self.expected = len(tensors)
 
     # --- backward --------------------------------------------------------------------------

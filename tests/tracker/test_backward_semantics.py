@@ -339,3 +339,43 @@ def test_torch_full_backward_hook_fails_on_an_in_place_module():
     relu(h).sum().backward()
     mgr.remove_all_hooks()
     torch.testing.assert_close(calls[0][1][0], (x > 0).float())
+
+
+def test_user_tensor_hooks_on_a_hooked_output_run_alongside(mgr):
+    """The manager puts its output hook into the tensor's hook dict itself (no RemovableHandle):
+    hooks the user registers on the same tensor later must run too, and removing theirs must
+    leave the manager's in place."""
+    lin = nn.Linear(4, 3)
+    calls, hook = counter()
+    mgr.register_backward_hook(hook, lin=lin)
+    x = torch.randn(2, 4, requires_grad=True)
+    out = lin(x)
+    seen, gone = [], []
+    out.register_hook(lambda g: seen.append(g.clone()))
+    out.register_hook(lambda g: gone.append(g)).remove()
+    weight = torch.randn(2, 3)
+    (out * weight).sum().backward()
+    assert len(calls) == 1 and gone == []
+    torch.testing.assert_close(seen[0], weight, rtol=0, atol=0)
+    torch.testing.assert_close(calls[0][2][0], weight, rtol=0, atol=0)
+
+
+class _Tagged(torch.Tensor):
+    """A tensor subclass, as libraries return them (their __torch_function__ must be honoured)."""
+
+
+def test_tensor_subclass_outputs_get_their_hooks_through_register_hook(mgr):
+    class Wrap(nn.Module):
+        def forward(self, x):
+            return (x * 2).as_subclass(_Tagged)
+
+    m = Wrap()
+    calls, hook = counter()
+    mgr.register_backward_hook(hook, wrap=m)
+    x = torch.randn(3, requires_grad=True)
+    out = m(x)
+    assert type(out) is _Tagged
+    out.sum().backward()
+    assert len(calls) == 1
+    torch.testing.assert_close(calls[0][2][0], torch.ones(3), rtol=0, atol=0)
+    torch.testing.assert_close(calls[0][1][0], torch.full((3,), 2.0), rtol=0, atol=0)
