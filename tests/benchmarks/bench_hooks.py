@@ -1,6 +1,6 @@
 """Benchmark: cost of hookline's managed hooks (SPEC §8, hook rows).
 
-Run: ``python tests/benchmarks/bench_hooks.py [--repeats 21] [--steps 10]``
+Run: ``python tests/benchmarks/bench_hooks.py [--repeats 21] [--steps 10] [--per-call 500]``
 
 Prints, per model (a 20-layer Linear MLP and a small ResNet-style conv net, no-op hook
 functions on every leaf module, one step = forward + backward on CPU with
@@ -17,6 +17,13 @@ same repeat, so slow drift cancels. Step times are process CPU time (``time.proc
 one thread this is the step's compute, not inflated by other processes competing for the cores).
 The ResNet uses out-of-place ReLU and residual add because torch's full backward hook raises on
 in-place ones.
+
+``--per-call N`` instead measures what each hooked call adds, in us, on a compute-bound MLP
+(4 x ``Linear(1024)`` + ReLU, batch 64): N iterations each run one step of every variant in
+turn, forward and backward timed apart (wall clock), and the medians of the per-iteration
+differences to the no-hook step are printed per hooked module. Interleaving single steps
+resolves costs far below the noise of block timings; the big matmuls make the caches cold, as
+in real training (docs/performance.md, "cold caches").
 """
 
 from __future__ import annotations
@@ -137,13 +144,66 @@ def bench(label: str, model: nn.Module, x: torch.Tensor, repeats: int, steps: in
     print(f"(c) forward hooks / no hooks = {r['hookline_fwd']:.3f}x  ({per_call('hookline_fwd')})")
 
 
+def per_call(iterations: int, width: int = 1024) -> None:
+    """Forward / backward / step time added per hooked module call (see the module docstring)."""
+    model = nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(width, width), nn.ReLU())])
+    x = torch.randn(64, width)
+    targets = {name: m for name, m in model.named_children() if isinstance(m, nn.Linear)}
+    fwd, bwd = HookManager(), HookManager()
+    fwd.register_forward_hook(noop, **targets)
+    bwd.register_backward_hook(noop, **targets)
+    fwd.deactivate_all_hooks()
+    bwd.deactivate_all_hooks()
+    torch_handles: list = []
+
+    def torch_on() -> None:
+        torch_handles.extend(m.register_full_backward_hook(noop) for m in targets.values())
+
+    def torch_off() -> None:
+        while torch_handles:
+            torch_handles.pop().remove()
+
+    variants: dict[str, tuple[Callable, Callable]] = {
+        "no hooks": (lambda: None, lambda: None),
+        "hookline forward hook": (fwd.activate_all_hooks, fwd.deactivate_all_hooks),
+        "hookline backward hook": (bwd.activate_all_hooks, bwd.deactivate_all_hooks),
+        "torch full backward hook": (torch_on, torch_off),
+    }
+    times: dict[str, list[tuple[float, float]]] = {k: [] for k in variants}
+    for _ in range(iterations):
+        for name, (on, off) in variants.items():
+            on()
+            model.zero_grad(set_to_none=True)
+            t0 = time.perf_counter()
+            loss = model(x).square().mean()
+            t1 = time.perf_counter()
+            loss.backward()
+            t2 = time.perf_counter()
+            off()
+            times[name].append((t1 - t0, t2 - t1))
+    base = times["no hooks"]
+    f0, b0 = (statistics.median(t[k] for t in base) for k in (0, 1))
+    print(f"per hooked call, MLP 4 x Linear({width}) + ReLU, batch 64: no-hook forward {f0 * 1e3:.2f} ms, "
+          f"backward {b0 * 1e3:.2f} ms; median of {iterations} interleaved iterations")
+    for name in list(variants)[1:]:
+        d = [(a[0] - b[0], a[1] - b[1]) for a, b in zip(times[name], base)]
+        df, db, dt = (statistics.median(k) * 1e6 / len(targets)
+                      for k in ([v[0] for v in d], [v[1] for v in d], [v[0] + v[1] for v in d]))
+        print(f"  {name:<26} forward +{df:6.1f} us  backward +{db:6.1f} us  step +{dt:6.1f} us")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=21)
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--per-call", type=int, default=0, metavar="N",
+                        help="instead: us added per hooked Linear(1024) call, N interleaved iterations")
     args = parser.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
+    if args.per_call:
+        per_call(args.per_call)
+        return
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, "
           f"median of {args.repeats} repeats x {args.steps} steps")
     bench("MLP 20 x Linear(256, 256) + ReLU, batch 64", mlp(), torch.randn(64, 256, requires_grad=True),
