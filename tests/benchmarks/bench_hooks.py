@@ -103,20 +103,26 @@ def measure(model: nn.Module, x: torch.Tensor, variants: dict[str, tuple[Callabl
     return medians, ratios
 
 
+def torch_full_backward_hooks(targets: dict[str, nn.Module]) -> tuple[Callable, Callable]:
+    """``(on, off)``: register / remove torch's no-op full backward hook on every target."""
+    handles: list = []
+
+    def on() -> None:
+        handles.extend(m.register_full_backward_hook(noop) for m in targets.values())
+
+    def off() -> None:
+        while handles:
+            handles.pop().remove()
+
+    return on, off
+
+
 def bench(label: str, model: nn.Module, x: torch.Tensor, repeats: int, steps: int) -> None:
     targets = leaves(model)
     mgr = HookManager()
     bwd = mgr.register_backward_hook(noop, hook_fn_name="bwd", activate=False, **targets)
     fwd = mgr.register_forward_hook(noop, hook_fn_name="fwd", activate=False, **targets)
-    torch_handles: list = []
-
-    def torch_on() -> None:
-        torch_handles.extend(m.register_full_backward_hook(noop) for m in targets.values())
-
-    def torch_off() -> None:
-        while torch_handles:
-            torch_handles.pop().remove()
-
+    torch_on, torch_off = torch_full_backward_hooks(targets)
     nothing = (lambda: None, lambda: None)
     variants = {
         "none": nothing,
@@ -154,15 +160,7 @@ def per_call(iterations: int, width: int = 1024) -> None:
     bwd.register_backward_hook(noop, **targets)
     fwd.deactivate_all_hooks()
     bwd.deactivate_all_hooks()
-    torch_handles: list = []
-
-    def torch_on() -> None:
-        torch_handles.extend(m.register_full_backward_hook(noop) for m in targets.values())
-
-    def torch_off() -> None:
-        while torch_handles:
-            torch_handles.pop().remove()
-
+    torch_on, torch_off = torch_full_backward_hooks(targets)
     variants: dict[str, tuple[Callable, Callable]] = {
         "no hooks": (lambda: None, lambda: None),
         "hookline forward hook": (fwd.activate_all_hooks, fwd.deactivate_all_hooks),
