@@ -22,7 +22,8 @@ once its graph is freed, and several forwards before one backward each fire sepa
 A call fires its hooks once per backward pass: when its inputs' gradients arrive, or, when no
 input needs a gradient, when all of its grad-requiring outputs got theirs; anything that has not
 fired by the end of the pass (outputs unused by the loss, ``autograd.grad`` stopping before the
-inputs) fires from an engine callback at the end of the pass.
+inputs) fires from the pass's end-of-pass engine callback (one per pass; each waiting call fires
+even if a hook function of another raises).
 """
 
 from __future__ import annotations
@@ -216,7 +217,7 @@ class BackwardCall:
             self.seen = 0
             self.grad_in = [None] * len(self.in_paths)
             self.grad_out = [None] * len(self.out_paths)
-            _queue_callback(self._end_pass)
+            _end_of_pass(task).append(self)
         return not self.fired
 
     def _on_grad_out(self, positions: list[int], grad: _Tensor) -> None:
@@ -234,10 +235,6 @@ class BackwardCall:
                 self.grad_in[i] = g  # type: ignore[index]
             self._fire()
 
-    def _end_pass(self) -> None:
-        if not self.fired:
-            self._fire()
-
     def _fire(self) -> None:
         self.fired = True
         grad_in = Leaves(self.grad_in, self.in_paths, self.in_skipped)  # type: ignore[arg-type]
@@ -246,3 +243,37 @@ class BackwardCall:
         for handle in self.handles:
             if handle.active:  # deactivated since the forward: skip
                 handle.call(self.module, grad_in, grad_out)
+
+
+# The calls of the current backward pass that fire at its end if nothing fired them before:
+# one engine callback per pass, not one per call (each is a Python call from the engine, paid
+# inside the step). Only the latest pass's list is kept here; the callback owns its list, so a
+# pass that fails lets go of its calls with its graph. Nested passes (reentrant checkpointing)
+# switch lists and back: a pass then gets a second list and callback, which is harmless.
+_pass_calls: tuple[int, list[BackwardCall]] = (-1, [])
+
+
+def _end_of_pass(task: int) -> list[BackwardCall]:
+    """The list of calls that fire at the end of graph task ``task`` (registered on first use)."""
+    global _pass_calls
+    current, calls = _pass_calls
+    if current != task:
+        calls = []
+        _pass_calls = (task, calls)
+        _queue_callback(partial(_fire_unfired, calls))
+    return calls
+
+
+def _fire_unfired(calls: list[BackwardCall]) -> None:
+    """Fire the calls of a finished pass that have not fired; every one fires even if one of
+    their hook functions raises (the first error is raised afterwards)."""
+    failure: BaseException | None = None
+    for call in calls:
+        if not call.fired:
+            try:
+                call._fire()
+            except BaseException as e:  # noqa: BLE001 - re-raised below, after the others fired
+                failure = failure or e
+    calls.clear()
+    if failure is not None:
+        raise failure

@@ -267,6 +267,31 @@ def test_hook_error_from_end_of_pass_callback_propagates(mgr):
         torch.autograd.grad(y.sum(), y)
 
 
+def test_end_of_pass_fires_every_waiting_call_even_if_one_hook_raises(mgr):
+    """All calls still waiting at the end of a pass share one engine callback: a hook that
+    raises there must not keep the other calls' hooks from firing (nothing captured is lost)."""
+    first, second = nn.Linear(3, 3), nn.Linear(3, 3)
+    fired = []
+
+    def hook(module, gi, go):
+        fired.append(module)
+        if len(fired) == 1:  # the first call to fire raises
+            raise ValueError("late")
+
+    mgr.register_backward_hook(hook, hook_fn_name="h", first=first, second=second)
+    x = torch.randn(2, 3, requires_grad=True)
+    y1, y2 = first(x), second(x)
+    # autograd.grad stops at the outputs: neither call's input node runs, both fire at the end
+    with pytest.raises(HookFunctionError, match=r"h\[(first|second)\].*ValueError: late"):
+        torch.autograd.grad(y1.sum() + y2.sum(), (y1, y2))
+    assert len(fired) == 2 and set(fired) == {first, second}
+    # the next pass starts clean
+    fired.clear()
+    fired.append("placeholder: no raise this time")
+    (second(x).sum()).backward()
+    assert fired[1:] == [second]
+
+
 def test_double_backward_works(mgr):
     lin = nn.Linear(3, 3)
     calls, hook = counter()
