@@ -68,6 +68,9 @@ class _Tuple(int):
 _INDEX_PATHS: list[tuple[str, ...]] = [tuple(str(i) for i in range(n)) for n in range(17)]
 
 
+_ONE_PATH = _INDEX_PATHS[1]
+
+
 def _index_paths(n: int) -> tuple[str, ...]:
     return _INDEX_PATHS[n] if n < len(_INDEX_PATHS) else tuple(str(i) for i in range(n))
 
@@ -171,8 +174,13 @@ def flatten_call(args: tuple, kwargs: dict) -> tuple[Leaves, Any]:
     Returns:
         ``(leaves, spec)``; pass ``spec`` and replacement leaves to :func:`unflatten_call`.
     """
-    if not kwargs and all(type(t) is _Tensor for t in args):
-        return Leaves(args, _index_paths(len(args))), None
+    if not kwargs:
+        # One plain tensor (most module calls) without building a generator; then any tuple
+        # of plain tensors.
+        if len(args) == 1 and type(args[0]) is _Tensor:
+            return Leaves(args, _ONE_PATH), None
+        if all(type(t) is _Tensor for t in args):
+            return Leaves(args, _index_paths(len(args))), None
     leaves: list = []
     paths: list = []
     skipped: list = []
