@@ -22,8 +22,9 @@ once its graph is freed, and several forwards before one backward each fire sepa
 A call fires its hooks once per backward pass: when its inputs' gradients arrive, or, when no
 input needs a gradient, when all of its grad-requiring outputs got theirs; anything that has not
 fired by the end of the pass (outputs unused by the loss, ``autograd.grad`` stopping before the
-inputs) fires from the pass's end-of-pass engine callback (one per pass; each waiting call fires
-even if a hook function of another raises).
+inputs) fires from the pass's end-of-pass engine callback (one per pass). A hook function that
+raises does not keep the other hook functions of its call, or the other waiting calls, from
+firing: the first error is raised once they all ran.
 """
 
 from __future__ import annotations
@@ -240,9 +241,15 @@ class BackwardCall:
         grad_in = Leaves(self.grad_in, self.in_paths, self.in_skipped)  # type: ignore[arg-type]
         grad_out = Leaves(self.grad_out, self.out_paths, self.out_skipped)  # type: ignore[arg-type]
         self.grad_in = self.grad_out = None
+        failure: Exception | None = None
         for handle in self.handles:
             if handle.active:  # deactivated since the forward: skip
-                handle.call(self.module, grad_in, grad_out)
+                try:
+                    handle.call(self.module, grad_in, grad_out)
+                except Exception as e:  # noqa: BLE001 - the module's other hooks still run
+                    failure = failure or e
+        if failure is not None:
+            raise failure
 
 
 # The calls of the current backward pass that fire at its end if nothing fired them before:
@@ -267,12 +274,12 @@ def _end_of_pass(task: int) -> list[BackwardCall]:
 def _fire_unfired(calls: list[BackwardCall]) -> None:
     """Fire the calls of a finished pass that have not fired; every one fires even if one of
     their hook functions raises (the first error is raised afterwards)."""
-    failure: BaseException | None = None
+    failure: Exception | None = None
     for call in calls:
         if not call.fired:
             try:
                 call._fire()
-            except BaseException as e:  # noqa: BLE001 - re-raised below, after the others fired
+            except Exception as e:  # noqa: BLE001 - re-raised below, after the others fired
                 failure = failure or e
     calls.clear()
     if failure is not None:

@@ -292,6 +292,23 @@ def test_end_of_pass_fires_every_waiting_call_even_if_one_hook_raises(mgr):
     assert fired[1:] == [second]
 
 
+def test_a_raising_backward_hook_does_not_stop_the_modules_other_hooks(mgr):
+    """A user's hook that raises must not cost the recorder (registered after it) its record."""
+    lin = nn.Linear(3, 3)
+    seen = []
+
+    def bad(module, gi, go):
+        raise ValueError("user bug")
+
+    mgr.register_backward_hook(bad, hook_fn_name="bad", lin=lin)
+    mgr.register_backward_hook(lambda m, gi, go: seen.append(go[0].clone()), hook_fn_name="rec", lin=lin)
+    x = torch.randn(2, 3, requires_grad=True)
+    with pytest.raises(HookFunctionError, match=r"bad\[lin\].*ValueError: user bug"):
+        lin(x).sum().backward()
+    assert len(seen) == 1
+    torch.testing.assert_close(seen[0], torch.ones(2, 3), rtol=0, atol=0)
+
+
 def test_double_backward_works(mgr):
     lin = nn.Linear(3, 3)
     calls, hook = counter()
