@@ -50,6 +50,8 @@ _queue_callback = torch.autograd.Variable._execution_engine.queue_callback
 _graph_task_id = torch._C._current_graph_task_id
 _set_versions = torch._C._autograd._unsafe_set_version_counter
 _functorch_active = torch._C._are_functorch_transforms_active
+_unwrap_if_dead = torch._C._functorch.unwrap_if_dead
+_is_compiling = torch.compiler.is_compiling
 
 
 class _CallInputs(torch.autograd.Function):
@@ -69,9 +71,12 @@ class _CallInputs(torch.autograd.Function):
         return (None, *grads)
 
 
-# torch's C ``apply``, bound to _CallInputs: ``Function.apply`` adds a Python layer (functorch
-# checks, argument unwrapping) that costs ~25 us per call inside a training step, where the
-# matmuls have evicted it from the caches. Used only while no functorch transform is active.
+# torch's C ``apply``, bound to _CallInputs: ``Function.apply`` adds a Python layer that is
+# paid inside every training step, where the matmuls have evicted it from the caches. Used only
+# while no functorch transform is active and torch.compile is not tracing, and with what that
+# layer does outside transforms:
+# tensors that escaped a finished transform (dead wrappers) are unwrapped first (else the
+# gradient of whatever they came from is silently lost).
 _call_inputs_apply = torch._C._FunctionBase.__dict__["apply"].__get__(None, _CallInputs)
 
 
@@ -80,7 +85,8 @@ def _watch(t: _Tensor, hook: Any) -> None:
     ``t``'s graph node). Tensor.register_hook builds a RemovableHandle and an OrderedDict in
     Python on every call; the first hook of a tensor goes straight into a dict here (the same
     C++ hook registration torch uses), under a key no RemovableHandle can take."""
-    if t._backward_hooks is None and type(t) is _Tensor:  # subclasses: their own register_hook
+    # Subclasses keep their own register_hook; torch.compile cannot trace the attribute write.
+    if not _is_compiling() and type(t) is _Tensor and t._backward_hooks is None:
         t._backward_hooks = OrderedDict(((_HOOK_KEY, hook),))  # RemovableHandle needs weakrefs
         t.grad_fn._register_hook_dict(t)
     else:
@@ -177,10 +183,10 @@ class BackwardCall:
         if not self.in_index:
             return inputs, None
         originals = [inputs[i] for i in self.in_index]
-        if _functorch_active():
+        if _functorch_active() or _is_compiling():  # torch.compile traces Function.apply
             aliases = _CallInputs.apply(self, *originals)
         else:
-            aliases = _call_inputs_apply(self, *originals)
+            aliases = _call_inputs_apply(self, *[_unwrap_if_dead(t) for t in originals])
         new = list(inputs)
         for i, a in zip(self.in_index, aliases):
             new[i] = a
@@ -252,35 +258,51 @@ class BackwardCall:
             raise failure
 
 
-# The calls of the current backward pass that fire at its end if nothing fired them before:
-# one engine callback per pass, not one per call (each is a Python call from the engine, paid
-# inside the step). Only the latest pass's list is kept here; the callback owns its list, so a
-# pass that fails lets go of its calls with its graph. Nested passes (reentrant checkpointing)
-# switch lists and back: a pass then gets a second list and callback, which is harmless.
-_pass_calls: tuple[int, list[BackwardCall]] = (-1, [])
+_pass_calls: dict[int, list[BackwardCall]] = {}
+
+
+class _EndOfPass:
+    """The engine callback of one backward pass: fires the pass's calls that have not fired.
+
+    One callback per pass, not one per call (each is a Python call from the engine, paid inside
+    the step). The engine owns the callback, which owns the list of waiting calls; the table
+    :data:`_pass_calls` maps graph tasks to those lists for the hooks of the running pass and
+    loses its entry when the engine drops the callback, after running it or when the pass failed.
+    Keyed by graph task, so a pass that nested passes (reentrant checkpointing) interrupt keeps
+    its one callback.
+    """
+
+    __slots__ = ("task", "calls")
+
+    def __init__(self, task: int) -> None:
+        self.task = task
+        self.calls: list[BackwardCall] = []
+
+    def __call__(self) -> None:
+        """Fire every waiting call, even if a hook function of one raises (the first error is
+        raised afterwards)."""
+        failure: Exception | None = None
+        for call in self.calls:
+            if not call.fired:
+                try:
+                    call._fire()
+                except Exception as e:  # noqa: BLE001 - re-raised below, after the others fired
+                    failure = failure or e
+        self.calls.clear()
+        if failure is not None:
+            raise failure
+
+    def __del__(self, table: dict[int, list[BackwardCall]] = _pass_calls) -> None:
+        # (the table bound as a default: still there while the interpreter shuts down)
+        if table.get(self.task) is self.calls:
+            del table[self.task]
 
 
 def _end_of_pass(task: int) -> list[BackwardCall]:
     """The list of calls that fire at the end of graph task ``task`` (registered on first use)."""
-    global _pass_calls
-    current, calls = _pass_calls
-    if current != task:
-        calls = []
-        _pass_calls = (task, calls)
-        _queue_callback(partial(_fire_unfired, calls))
+    calls = _pass_calls.get(task)
+    if calls is None:
+        callback = _EndOfPass(task)
+        calls = _pass_calls[task] = callback.calls
+        _queue_callback(callback)
     return calls
-
-
-def _fire_unfired(calls: list[BackwardCall]) -> None:
-    """Fire the calls of a finished pass that have not fired; every one fires even if one of
-    their hook functions raises (the first error is raised afterwards)."""
-    failure: Exception | None = None
-    for call in calls:
-        if not call.fired:
-            try:
-                call._fire()
-            except Exception as e:  # noqa: BLE001 - re-raised below, after the others fired
-                failure = failure or e
-    calls.clear()
-    if failure is not None:
-        raise failure

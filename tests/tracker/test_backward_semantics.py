@@ -309,6 +309,108 @@ def test_a_raising_backward_hook_does_not_stop_the_modules_other_hooks(mgr):
     torch.testing.assert_close(seen[0], torch.ones(2, 3), rtol=0, atol=0)
 
 
+class _Boom(torch.autograd.Function):
+    """Stands in for an out-of-memory error raised inside a layer's backward."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        raise RuntimeError("out of memory (simulated)")
+
+
+def test_a_failed_pass_releases_its_waiting_calls_and_gradients(mgr):
+    """The engine drops the end-of-pass callback of a pass that fails: the calls waiting in it
+    (holding output gradients and the module) must go with it, not stay reachable."""
+    lin = nn.Linear(16, 16)
+    mgr.register_backward_hook(lambda m, gi, go: None, hook_fn_name="h", lin=lin)
+    x = torch.randn(4, 16, requires_grad=True)
+    with pytest.raises(RuntimeError, match="simulated"):
+        lin(_Boom.apply(x)).sum().backward()  # lin got its output gradient, then the pass failed
+    assert _live_calls() == 0
+
+
+def test_nested_pass_does_not_split_the_outer_pass_end_callback(mgr):
+    """A reentrant checkpoint runs a nested backward pass in the middle of the outer one; every
+    call of the outer pass that waits for its end must still fire when a hook raises there."""
+
+    class Cut(nn.Module):  # its input needs a gradient, but no path leads back to it
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(3, 3)
+
+        def forward(self, t):
+            return self.lin(t.detach())
+
+    first, inner, last = Cut(), nn.Linear(3, 3), Cut()
+    fired = []
+
+    def hook(module, gi, go):
+        fired.append(module)
+        if module is last:
+            raise ValueError("late")
+
+    mgr.register_backward_hook(hook, hook_fn_name="h", first=first, inner=inner, last=last)
+    y = first(torch.randn(2, 3, requires_grad=True))  # waits for the end of the outer pass
+    c = torch.utils.checkpoint.checkpoint(inner, torch.randn(2, 3, requires_grad=True), use_reentrant=True)
+    z = last(torch.randn(2, 3, requires_grad=True))  # waits too, and its hook raises
+    with pytest.raises(HookFunctionError, match=r"h\[last\].*late"):
+        (y + c + z).sum().backward()
+    assert set(fired) == {first, inner, last} and len(fired) == 3
+
+
+def test_tensor_escaped_from_a_functorch_transform_keeps_its_gradient(mgr):
+    """A tensor created inside torch.func.grad and used afterwards is a dead functorch wrapper;
+    the identity node must unwrap it like Function.apply does, or the gradient of what it came
+    from (here ``w``) is silently lost."""
+    torch.manual_seed(0)
+    lin = nn.Linear(3, 3)
+    w = torch.randn(2, 3, requires_grad=True)
+    x = torch.randn(2, 3)
+    escaped = {}
+
+    def f(v):
+        escaped["t"] = v * w
+        return (v * w).sum()
+
+    def w_grad() -> torch.Tensor:
+        w.grad = None
+        torch.func.grad(f)(x)
+        lin(escaped["t"]).sum().backward()
+        return w.grad
+
+    expected = w_grad()
+    calls, hook = counter()
+    mgr.register_backward_hook(hook, lin=lin)
+    got = w_grad()
+    assert got is not None and len(calls) == 1
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
+def test_torch_compile_of_hooked_modules_gives_the_same_gradients(mgr):
+    """Under torch.compile the manager registers its hooks the way torch can trace (no write of
+    the tensor's hook dict, Function.apply), and hooks see what they see in eager mode."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 5), nn.ReLU(), nn.Linear(5, 3))
+    calls, hook = counter()
+    mgr.register_backward_hook(hook, **select(m, "?"))
+    x = torch.randn(2, 4, requires_grad=True)
+    m(x).pow(2).sum().backward()
+    eager = [(name, [g.clone() for g in gi if g is not None], [g.clone() for g in go]) for name, gi, go in calls]
+    calls.clear()
+    torch._dynamo.reset()
+    compiled = torch.compile(m, backend="eager")
+    compiled(x).pow(2).sum().backward()
+    assert [c[0] for c in calls] == [e[0] for e in eager]
+    for (_, gi, go), (_, egi, ego) in zip(calls, eager):
+        for a, b in zip([g for g in gi if g is not None] + list(go), egi + ego):
+            torch.testing.assert_close(a, b)
+    reasons = " ".join(str(k) for k in torch._dynamo.utils.counters["graph_break"])
+    assert "_backward_hooks" not in reasons
+
+
 def test_double_backward_works(mgr):
     lin = nn.Linear(3, 3)
     calls, hook = counter()
