@@ -609,7 +609,7 @@ def merge_files(paths: list[Path], out_path: Path, attrs: dict[str, Any],
                 mid_path: Callable[[int, int], Path] | None = None) -> int:
     """:func:`merge_parts` of the complete files ``paths``, with at most :data:`MERGE_MAX_FILES` of
     them open at once. Beyond that, groups are merged first into intermediate files at
-    ``mid_path(start, end)`` (name them like merge outputs, ``<key>.rSTART-END.h5seg.partial``,
+    ``mid_path(start, end)`` (name them like merge outputs, :func:`~.format.merge_output_name`,
     so that one left by a crash is recognised as a leftover), which are removed at the end.
 
     Returns:

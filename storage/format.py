@@ -110,6 +110,12 @@ def partial_segment_name(key: str, suffix: str, start: int) -> str:
     return f"{key}{suffix}.r{start:012d}.h5seg.partial"
 
 
+def merge_output_name(key: str, suffix: str, start: int, end: int) -> str:
+    """Relative path of a merge output holding records ``[start, end)`` before it is published
+    (renamed to :func:`segment_name`): one a crash leaves behind is a copy, not lost records."""
+    return segment_name(key, suffix, start, end) + ".partial"
+
+
 def manifest_name(rank: int | None, world_size: int | None) -> str:
     """``manifest.json``, or ``manifest.rank<r>.json`` when ``world_size > 1``."""
     return f"manifest{rank_suffix(rank, world_size)}.json"

@@ -36,9 +36,9 @@ from .format import (
     fsync_dir,
     fsync_file,
     manifest_name,
+    merge_output_name,
     now_iso,
     rank_suffix,
-    segment_name,
 )
 from .reader import LocalSource, _synthesise_manifests
 
@@ -397,7 +397,7 @@ def _merge_handle(run_dir: Path, good: list[_Checked], final_rel: str, hid: str,
     merged = [run_dir / c.rel for c in good]
     key = entry["key"]
     n = merge_files(merged, tmp, attrs, lambda nm: comp.get(nm),
-                    mid_path=lambda a, b: run_dir / (segment_name(key, suffix, a, b) + ".partial"))
+                    mid_path=lambda a, b: run_dir / merge_output_name(key, suffix, a, b))
     fsync_file(tmp)
     check = open_part(tmp)
     try:

@@ -57,6 +57,7 @@ from .format import (
     fsync_file,
     hookline_version,
     manifest_name,
+    merge_output_name,
     now_iso,
     partial_segment_name,
     rank_suffix,
@@ -1249,12 +1250,12 @@ class RunWriter:
         with at most ``MERGE_MAX_FILES`` inputs open at once."""
         merge_files(list(paths), out, self._file_attrs(h), self._compression_for, record_start=record_start,
                     writeback=self._writeback_bytes,
-                    mid_path=lambda a, b: self.run_dir / (segment_name(h.key, h.suffix, a, b) + ".partial"))
+                    mid_path=lambda a, b: self.run_dir / merge_output_name(h.key, h.suffix, a, b))
 
     def _merge_segments(self, h: _Handle, run: list[_Seg]) -> None:
         start, end = run[0].start, run[-1].end
         out = self.run_dir / segment_name(h.key, h.suffix, start, end)
-        tmp = out.with_name(out.name + ".partial")
+        tmp = self.run_dir / merge_output_name(h.key, h.suffix, start, end)
         self._merge_files(h, [s.path for s in run], tmp, record_start=start)
         _publish([(tmp, out)], self.fsync)
         with self._seg_lock:
