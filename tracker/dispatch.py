@@ -144,6 +144,7 @@ class ModuleHooks:
             rebased = leaves
             if isinstance(entry, PendingInputs):
                 rebased = entry.rebase_modified(leaves)
+                leaves, rebased = entry.rebind_views(leaves, rebased)
                 entry = entry.call
             # hooks go on the aliases: all gradient for the module's result flows into them
             entry.watch_outputs(leaves)
