@@ -97,10 +97,11 @@ class ModuleHooks:
             self._torch_fwd = self.module.register_forward_hook(
                 self._forward_hook, with_kwargs=True, always_call=True
             )
-        elif not need_fwd and self._torch_fwd is not None:
+        elif not need_fwd and self._torch_fwd is not None and not self._pending:
+            # (While calls are in flight, e.g. a hook of this module or of a child deactivated
+            # it, the forward hook stays until they returned: it pops their state, then goes.)
             self._torch_fwd.remove()
             self._torch_fwd = None
-            self._pending.clear()  # calls in flight will not reach the forward hook any more
 
     # --- torch hooks -----------------------------------------------------------------------
     def _pre_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
@@ -115,6 +116,8 @@ class ModuleHooks:
             new = handle.call(module, leaves)
             if new is not None:
                 leaves = replace_leaves(handle, leaves, new, "inputs")
+        if bwd:
+            bwd = self.bwd  # the pre hooks may have (de)activated backward hooks
         if bwd and torch.is_grad_enabled():
             call = BackwardCall(module, bwd, leaves)
             leaves, pending = call.wrap_inputs(leaves)
@@ -125,8 +128,10 @@ class ModuleHooks:
 
     def _forward_hook(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
         entry = self._pending.pop() if self._pending else None
-        if output is None and sys.exc_info()[1] is not None:
-            return None  # forward raised: torch calls always_call hooks only to let them clean up
+        if not self._pending and not (self.fwd or self.bwd) and self._torch_fwd is not None:
+            self._sync()  # deactivated while this call ran: the deferred removal
+        if output is None and _forward_raised():
+            return None  # torch calls always_call hooks only to let them clean up
         leaves: Leaves | None = None
         replaced = False
         if self.fwd:
@@ -153,6 +158,16 @@ class ModuleHooks:
         if replaced:
             return unflatten(spec, leaves)
         return None
+
+
+def _forward_raised() -> bool:
+    """Whether torch runs the forward hook from its handler of an exception of this call's
+    forward (not merely while the caller handles an exception of its own: a module returning
+    None in an ``except`` block still gets its hooks)."""
+    exc = sys.exc_info()[1]
+    # The call's ``_call_impl`` frame both caught the exception (the head of its traceback) and
+    # called this hook (two frames up: _forward_hook's caller).
+    return exc is not None and exc.__traceback__ is not None and exc.__traceback__.tb_frame is sys._getframe(2)
 
 
 _ATTR = {"forward_pre_hook": "pre", "forward_hook": "fwd", "backward_hook": "bwd"}

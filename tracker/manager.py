@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import difflib
 import itertools
+import weakref
 from collections.abc import Callable, Iterable
 from typing import Any, Union
 
@@ -54,6 +55,30 @@ def _short(module: nn.Module) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
+
+#: Modules whose ``name`` attribute hookline set, with the (manager id, name) of every manager
+#: that has hooks on them, in registration order. The module shows the first manager's name;
+#: when that manager lets go of it, the next one's (TackleBox hooks read ``module.name``).
+_NAME_USERS: weakref.WeakKeyDictionary[nn.Module, list[tuple[int, str]]] = weakref.WeakKeyDictionary()
+
+
+def _release_name(module: nn.Module, manager: int) -> None:
+    users = _NAME_USERS.get(module)
+    if users is None:
+        return
+    shown = users[0][1]
+    users[:] = [u for u in users if u[0] != manager]
+    if module.__dict__.get("name") != shown:
+        if not users:
+            del _NAME_USERS[module]
+        return  # the user renamed the module since: theirs to keep
+    if users:
+        module.name = users[0][1]
+    else:
+        del _NAME_USERS[module]
+        del module.name
+
+
 class HookManager:
     """Registers hook functions on modules and activates, deactivates and removes them by name.
 
@@ -76,7 +101,6 @@ class HookManager:
         self.name_to_hookhandle: dict[str, HookHandle] = {}
         self.module_to_name: dict[nn.Module, str] = {}
         self._slots: dict[nn.Module, ModuleHooks] = {}
-        self._named: set[nn.Module] = set()  # modules whose ``name`` attribute we set
         self._order = itertools.count()
 
     def __repr__(self) -> str:
@@ -227,9 +251,12 @@ class HookManager:
             slot = self._slots[module] = ModuleHooks(module)
             self.name_to_module[module_name] = module
             self.module_to_name[module] = module_name
-            if not hasattr(module, "name"):
+            users = _NAME_USERS.get(module)
+            if users is not None:  # another manager named it: its name stays (see _forget)
+                users.append((id(self), module_name))
+            elif not hasattr(module, "name"):
                 module.name = module_name
-                self._named.add(module)
+                _NAME_USERS[module] = [(id(self), module_name)]
         slot.registered += 1
         handle = HookHandle(self, hook_fn, module, module_name, slot, next(self._order))
         hook_fn.module_to_handle[module] = handle
@@ -250,10 +277,7 @@ class HookManager:
             name = self.module_to_name.pop(module, None)
             self.name_to_module.pop(name, None)  # type: ignore[arg-type]
             del self._slots[module]
-            if module in self._named:
-                self._named.discard(module)
-                if module.__dict__.get("name") == name:
-                    del module.name
+            _release_name(module, id(self))
         elif slot is not None:
             slot.registered -= 1
         unbind = getattr(hook_fn.fn, "_hookline_unbind", None)

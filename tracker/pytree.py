@@ -44,6 +44,10 @@ class Leaves(tuple):
         self.skipped = skipped if type(skipped) is tuple else tuple(skipped)
         return self
 
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        # copy, deepcopy, pickle and torch.save/load (e.g. of hook arguments a user stored)
+        return Leaves, (tuple(self), self.paths, self.skipped)
+
     def __repr__(self) -> str:
         return f"Leaves({tuple.__repr__(self)}, paths={self.paths!r})"
 

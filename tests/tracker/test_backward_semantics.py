@@ -435,6 +435,42 @@ def test_deactivated_during_its_own_forward_leaves_no_state(mgr):
     assert len(calls) == 1
 
 
+def test_a_pre_hook_that_deactivates_its_modules_backward_hook(mgr):
+    """A one-shot pattern: the module's own pre hook turns its backward hook off. (Raised a bare
+    IndexError from inside hookline before.)"""
+    lin = nn.Linear(3, 3)
+    calls, hook = counter()
+    mgr.register_backward_hook(hook, hook_fn_name="bw", lin=lin)
+    mgr.register_forward_pre_hook(lambda m, i: mgr.deactivate_hook_by_name("bw[lin]"), hook_fn_name="once", lin=lin)
+    lin(torch.randn(2, 3, requires_grad=True)).sum().backward()
+    assert calls == []
+    assert mgr._slots[lin]._pending == [] and not lin._forward_hooks  # nothing left behind
+    mgr.activate_hook_by_name("bw[lin]")
+    mgr.remove_hook_function_by_name("once")
+    lin(torch.randn(2, 3, requires_grad=True)).sum().backward()
+    assert len(calls) == 1
+
+
+def test_toggled_off_and_on_during_its_own_forward_keeps_its_outputs(mgr):
+    """A child's hook deactivates and reactivates the parent's hooks while the parent runs: the
+    parent's backward hook still gets its grad_out (it got an empty one before)."""
+    outer = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3))
+    calls, hook = counter()
+    mgr.register_backward_hook(hook, outer=outer)
+
+    def toggle(m, i, o):
+        mgr.deactivate_module_hooks_by_name("outer")
+        mgr.activate_module_hooks_by_name("outer")
+
+    mgr.register_forward_hook(toggle, inner=outer[0])
+    x = torch.randn(2, 3, requires_grad=True)
+    y = outer(x)
+    y.pow(2).sum().backward()
+    (_, gi, go), = calls
+    assert go.paths == ("0",) and len(gi) == 1
+    torch.testing.assert_close(go[0], 2 * y.detach())
+
+
 def test_a_failed_pass_does_not_break_the_next_one(mgr):
     lin = nn.Linear(3, 3)
     calls = []

@@ -162,6 +162,42 @@ def test_forward_that_raises_leaves_no_pending_state(mgr):
     assert mgr._slots[m]._pending == []
 
 
+def test_forward_that_raises_does_not_call_forward_hooks(mgr):
+    class Fails(nn.Module):
+        def forward(self, x):
+            raise KeyError("inside")
+
+    m = Fails()
+    calls = []
+    mgr.register_forward_hook(lambda mod, i, o: calls.append(o), m=m)
+    try:
+        raise ValueError("the caller's own")
+    except ValueError:
+        with pytest.raises(KeyError, match="inside"):
+            m(torch.ones(2))
+    assert calls == []
+
+
+def test_module_returning_none_inside_an_except_block_gets_its_hooks(mgr):
+    """The caller handling an exception of its own is not the module's forward raising (the
+    hooks were skipped before)."""
+
+    class Logs(nn.Module):
+        def forward(self, x):
+            return None
+
+    m = Logs()
+    calls = []
+    mgr.register_forward_hook(lambda mod, i, o: calls.append(len(o)), m=m)
+    mgr.register_backward_hook(lambda *a: None, m=m)
+    try:
+        raise KeyError("unrelated")
+    except KeyError:
+        m(torch.randn(2, requires_grad=True))
+    assert calls == [0]
+    assert mgr._slots[m]._pending == []
+
+
 def test_backward_sees_replaced_inputs_and_outputs(mgr):
     lin = nn.Linear(2, 2)
     got = []

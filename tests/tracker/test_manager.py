@@ -9,6 +9,7 @@ from torch import nn
 from hookline.tracker import (
     DuplicateNameError,
     HookFunction,
+    HookManager,
     HooklineError,
     HookTypeError,
     InvalidArgumentError,
@@ -69,6 +70,30 @@ def test_module_with_own_name_attribute_is_not_overwritten(mgr):
     m = Named()
     mgr.register_forward_hook(fwd, other=m)
     assert m.name == "mine" and mgr.module_to_name[m] == "other"
+
+
+def test_two_managers_on_one_module_share_its_name_attribute():
+    """The module shows the first manager's name; when that manager lets go, the second one's
+    (the attribute was deleted under the second manager's hooks before)."""
+    m = nn.Linear(2, 2)
+    a, b = HookManager(), HookManager()
+    seen = []
+    a.register_forward_hook(fwd, first=m)
+    b.register_forward_hook(lambda mod, i, o: seen.append(mod.name), second=m)
+    m(torch.randn(1, 2))
+    a.remove_all_hooks()
+    m(torch.randn(1, 2))
+    assert seen == ["first", "second"]
+    b.remove_all_hooks()
+    assert "name" not in m.__dict__
+
+
+def test_a_name_the_user_set_meanwhile_is_kept(mgr):
+    m = nn.Linear(2, 2)
+    mgr.register_forward_hook(fwd, lin=m)
+    m.name = "renamed by the user"
+    mgr.remove_all_hooks()
+    assert m.name == "renamed by the user"
 
 
 def test_default_name_uses_the_callables_repr(mgr):

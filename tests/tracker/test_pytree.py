@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import pickle
 from collections import OrderedDict, namedtuple
 
 import torch
@@ -69,3 +71,14 @@ def test_fast_paths():
     assert unflatten(spec, (t1,)) is t1
     param = torch.nn.Parameter(torch.ones(1))
     assert flatten((param, t0))[0].paths == ("0", "1")
+
+
+def test_leaves_copy_pickle_and_torch_save_round_trip(tmp_path):
+    """Hook arguments a user keeps can be copied and saved (torch.load failed before)."""
+    leaves = flatten_call((t0, None, (t1,)), {"z": t2})[0]
+    for other in (copy.copy(leaves), copy.deepcopy(leaves), pickle.loads(pickle.dumps(leaves))):
+        assert type(other) is Leaves and other.paths == leaves.paths and other.skipped == leaves.skipped
+        assert all(torch.equal(a, b) for a, b in zip(other, leaves))
+    torch.save({"outputs": leaves}, tmp_path / "hooked.pt")
+    loaded = torch.load(tmp_path / "hooked.pt", weights_only=False)["outputs"]
+    assert loaded.paths == ("0", "2.0", "z") and torch.equal(loaded[2], t2)
