@@ -49,7 +49,6 @@ _Tensor = torch.Tensor
 _queue_callback = torch.autograd.Variable._execution_engine.queue_callback
 _graph_task_id = torch._C._current_graph_task_id
 _set_versions = torch._C._autograd._unsafe_set_version_counter
-_functorch_active = torch._C._are_functorch_transforms_active
 _unwrap_if_dead = torch._C._functorch.unwrap_if_dead
 _is_compiling = torch.compiler.is_compiling
 
@@ -73,8 +72,8 @@ class _CallInputs(torch.autograd.Function):
 
 # torch's C ``apply``, bound to _CallInputs: ``Function.apply`` adds a Python layer that is
 # paid inside every training step, where the matmuls have evicted it from the caches. Used only
-# while no functorch transform is active and torch.compile is not tracing, and with what that
-# layer does outside transforms:
+# while torch.compile is not tracing (inside functorch transforms backward hooks are off: see
+# dispatch.py), and with what that layer does outside transforms:
 # tensors that escaped a finished transform (dead wrappers) are unwrapped first (else the
 # gradient of whatever they came from is silently lost).
 _call_inputs_apply = torch._C._FunctionBase.__dict__["apply"].__get__(None, _CallInputs)
@@ -173,7 +172,7 @@ class PendingInputs:
                 return watched, returned
         elif not any(o._base is not None or any(o is a for a in aliases) for o in returned):
             return watched, returned
-        if _functorch_active() or _is_compiling():
+        if _is_compiling():
             return watched, returned  # (as_strided views are not traced there: keep the alias)
         call = self.call
         new: dict[int, _Tensor] = {}  # id(output) -> view of the caller's tensor
@@ -270,7 +269,7 @@ class BackwardCall:
         if not self.in_index:
             return inputs, None
         originals = [inputs[i] for i in self.in_index]
-        if _functorch_active() or _is_compiling():  # torch.compile traces Function.apply
+        if _is_compiling():  # torch.compile traces Function.apply
             aliases = _CallInputs.apply(self, *originals)
         else:
             aliases = _call_inputs_apply(self, *[_unwrap_if_dead(t) for t in originals])

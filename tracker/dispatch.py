@@ -10,6 +10,7 @@ hook at all, so deactivated hooks cost nothing.
 from __future__ import annotations
 
 import sys
+import warnings
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -118,6 +119,9 @@ class ModuleHooks:
                 leaves = replace_leaves(handle, leaves, new, "inputs")
         if bwd:
             bwd = self.bwd  # the pre hooks may have (de)activated backward hooks
+            if bwd and _functorch_active():
+                _skip_in_transform(bwd)
+                bwd = ()
         if bwd and torch.is_grad_enabled():
             call = BackwardCall(module, bwd, leaves)
             leaves, pending = call.wrap_inputs(leaves)
@@ -158,6 +162,24 @@ class ModuleHooks:
         if replaced:
             return unflatten(spec, leaves)
         return None
+
+
+_functorch_active = torch._C._are_functorch_transforms_active
+_warned_transform = False
+
+
+def _skip_in_transform(handles: tuple[HookHandle, ...]) -> None:
+    """Backward hooks do not fire for calls inside ``torch.func`` transforms (grad, vjp, jacrev,
+    vmap): the gradients there are the transform's, not a backward pass's (torch's own full
+    backward hooks raise there). Said once per process, naming a handle."""
+    global _warned_transform
+    if not _warned_transform:
+        _warned_transform = True
+        warnings.warn(
+            f"hookline: backward hook {handles[0].name!r} (and any other) does not fire for module "
+            "calls inside torch.func transforms (grad, vjp, jacrev, vmap); forward hooks do",
+            stacklevel=4,
+        )
 
 
 def _forward_raised() -> bool:

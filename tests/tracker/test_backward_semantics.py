@@ -389,6 +389,36 @@ def test_tensor_escaped_from_a_functorch_transform_keeps_its_gradient(mgr):
     torch.testing.assert_close(got, expected, rtol=0, atol=0)
 
 
+def test_torch_func_transforms_work_with_backward_hooks_registered(mgr, monkeypatch):
+    """torch.func.grad / jacrev / vmap over hooked modules compute what they compute without
+    hooks (they raised before, as they do with torch's full backward hooks); the backward hooks
+    do not fire inside them (said once, by a warning) and fire again in ordinary passes."""
+    from hookline.tracker import dispatch
+
+    monkeypatch.setattr(dispatch, "_warned_transform", False)
+    torch.manual_seed(0)
+    lin = nn.Linear(3, 2)
+    x = torch.randn(4, 3)
+    plain = {
+        "grad": torch.func.grad(lambda v: lin(v).pow(2).sum())(x),
+        "jacrev": torch.func.jacrev(lin)(x[0]),
+        "per-sample": torch.func.vmap(torch.func.grad(lambda v: lin(v).pow(2).sum()))(x),
+    }
+    calls, hook = counter()
+    mgr.register_backward_hook(hook, lin=lin)
+    with pytest.warns(UserWarning, match=r"does not fire for module calls inside torch.func"):
+        hooked = {
+            "grad": torch.func.grad(lambda v: lin(v).pow(2).sum())(x),
+            "jacrev": torch.func.jacrev(lin)(x[0]),
+            "per-sample": torch.func.vmap(torch.func.grad(lambda v: lin(v).pow(2).sum()))(x),
+        }
+    for k in plain:
+        torch.testing.assert_close(hooked[k], plain[k], rtol=0, atol=0, msg=k)
+    assert calls == []
+    lin(x.requires_grad_()).sum().backward()
+    assert len(calls) == 1
+
+
 def test_torch_compile_of_hooked_modules_gives_the_same_gradients(mgr):
     """Under torch.compile the manager registers its hooks the way torch can trace (no write of
     the tensor's hook dict, Function.apply), and hooks see what they see in eager mode."""
