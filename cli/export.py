@@ -64,6 +64,15 @@ def export(run: str, handle: str, field: str, fmt: str, out: str, steps_spec: st
     if outp.exists() and not force:
         raise click.ClickException(f"output {out!r} exists; pass --force to overwrite it")
     r = open_run_arg(run, tracking_uri)
+    from hookline.storage.reader import LocalSource
+
+    # (the MLflow download cache of a runs:/ RUN is written only through hookline)
+    root = Path(r.source.root).resolve() if isinstance(r.source, LocalSource) else None
+    if root is not None and outp.resolve().is_relative_to(root):
+        # (--force included: overwriting a file of the run would destroy recorded data)
+        raise click.ClickException(
+            f"output {out!r} is inside the run directory {str(root)!r}; export to a path outside it"
+        )
     h = r[handle]
     from hookline.storage.compare import damage_note
 
@@ -100,6 +109,11 @@ def export(run: str, handle: str, field: str, fmt: str, out: str, steps_spec: st
             else:
                 _h5(r, run, handle, field, f, idx, steps, calls, shape, tmp, advance)
             os.replace(tmp, outp)
+        except OSError as e:
+            if e.filename is not None and Path(e.filename) == tmp:
+                # (the message names the file the user asked for, not the temporary one)
+                raise click.ClickException(f"cannot write {out!r}: {e.strerror or e}") from e
+            raise
         finally:
             if tmp.exists():
                 tmp.unlink()

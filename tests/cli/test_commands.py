@@ -231,6 +231,24 @@ def test_export_errors(cli_runner, runs, tmp_path):
     fails(cli_runner, "export", a, "grads[fc1]", "grad_out.0", "--format", "npy", "--out", out, quoted="--force")
     assert out.read_bytes() == b"keep me"
     ok(cli_runner, "export", a, "grads[fc1]", "grad_out.0", "--format", "npy", "--out", out, "--force")
+    # The output file cannot be written: the message names it, not the temporary file.
+    res = fails(cli_runner, "export", a, "grads[fc1]", "grad_out.0", "--format", "npy", "--out", "/proc/x.npy",
+                quoted="'/proc/x.npy'")
+    assert ".partial" not in res.stderr
+
+
+def test_export_never_writes_into_the_run(cli_runner, runs, tmp_path):
+    """--force included: overwriting a handle file or the manifest destroyed recorded data."""
+    run = tmp_path / "run"
+    shutil.copytree(runs["a"], run)
+    before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    handle_file = next(p for p in before if p.suffix == ".h5")
+    for target in (handle_file, run / "manifest.json", run / "new.npy"):
+        for fmt in ("h5", "npy"):
+            fails(cli_runner, "export", run, "grads[fc1]", "grad_out.0", "--format", fmt, "--out", target, "--force",
+                  quoted="inside the run directory")
+    assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
+    ok(cli_runner, "show", run, "grads[fc1]")
 
 
 # ----------------------------------------------------------------------------- verify
