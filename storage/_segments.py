@@ -62,8 +62,8 @@ def cover(entries: list[FileEntry]) -> tuple[list[FileEntry], list[FileEntry], l
     gaps: list[tuple[int, int]] = []
     cur = 0
     for e in todo:
-        if e.end <= cur:
-            superseded.append(e)
+        if e.end <= cur and not (e.start == e.end == cur == 0 and e.kind == "final" and not chosen):
+            superseded.append(e)  # (the final file of a handle with no records is its file)
             continue
         if e.start < cur:  # partial overlap: cannot happen with hookline's merges; skip it
             superseded.append(e)

@@ -79,6 +79,21 @@ def test_corrupt_file_is_moved_aside(run_dir):
     assert m["handles"][HID]["records"] == 15 and m["handles"][HID]["lost"]
 
 
+def test_a_handle_without_records_is_ok_and_repair_keeps_its_file(run_dir):
+    """(verify reported 'not merged ... 1 redundant' and repair quarantined the file.)"""
+    write_std_run(run_dir, n=0).close()
+    rep = verify(run_dir)
+    assert rep.ok, str(rep)
+    files = sorted(p.relative_to(run_dir) for p in run_dir.rglob("*.h5"))
+    assert len(files) == 2
+    rep = verify(run_dir, repair=True)
+    assert rep.ok and not rep.to_dict().get("moved"), str(rep)
+    assert sorted(p.relative_to(run_dir) for p in run_dir.rglob("*.h5")) == files
+    assert not (run_dir / ".quarantine").exists()
+    assert verify(run_dir).ok
+    assert len(open_run(run_dir)[HID]) == 0
+
+
 def test_missing_manifest_is_rebuilt(run_dir):
     write_std_run(run_dir, n=4).close()
     os.unlink(run_dir / "manifest.json")
