@@ -256,10 +256,10 @@ class Handle:
                 refs.append(r)
             except (StorageError, FormatError) as e:
                 errors.append(e)
-        if errors and not parts:
-            raise errors[0]  # nothing of this handle is readable
         for e in errors:
-            # A damaged complete file (external corruption): read the others, say so loudly.
+            # A damaged complete file (external corruption): read the others (if any: a handle
+            # whose every file is damaged reads as empty, like one whose final file is), say so
+            # loudly; the rest of the run stays readable.
             self.problems.append(str(e))
             warnings.warn(f"hookline: skipping unreadable file: {e} (run `hookline verify`)", stacklevel=3)
         self._refs = refs

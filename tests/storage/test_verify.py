@@ -94,6 +94,25 @@ def test_a_handle_without_records_is_ok_and_repair_keeps_its_file(run_dir):
     assert len(open_run(run_dir)[HID]) == 0
 
 
+def test_a_handle_whose_every_file_is_damaged_reads_as_empty(run_dir):
+    """The rest of the run stays readable (open_run, len() and show raised for the whole run
+    when the only segment of one handle was damaged)."""
+    w = write_std_run(run_dir, n=10, flush_every=10, fsync=False)
+    snap = run_dir.parent / "snap"
+    shutil.copytree(run_dir, snap)
+    w.close()
+    segs = sorted((snap / "outputs").glob("*.h5seg"))
+    assert segs
+    for seg in segs:  # every segment of the outputs handle truncated
+        seg.write_bytes(seg.read_bytes()[:3000])
+    run = open_run(snap)
+    with pytest.warns(UserWarning, match="unreadable"):
+        assert len(run[HID]) == 0 and run[HID].fields == []
+    assert run[HID].problems and "truncated" in run[HID].problems[0]
+    assert len(run[GID]) == 10 and len(run[GID]["grad_out.0"]) == 5
+    assert not verify(snap).ok
+
+
 def test_missing_manifest_is_rebuilt(run_dir):
     write_std_run(run_dir, n=4).close()
     os.unlink(run_dir / "manifest.json")
