@@ -103,9 +103,9 @@ def _train(run_dir, lr, steps, every, *, mlflow_run_id, tracking_uri, advance, H
 
 def _mlflow_setup(tracking_uri: str | None) -> tuple[Any, str, str]:
     quiet_mlflow_logs()
-    from mlflow import MlflowClient
+    from hookline.storage.mlflow_adapter import connect
 
-    client = MlflowClient(tracking_uri=tracking_uri)
+    client = connect(tracking_uri)
     exp = client.get_experiment_by_name(EXPERIMENT)
     exp_id = exp.experiment_id if exp is not None else client.create_experiment(EXPERIMENT)
     return client, exp_id, client.tracking_uri

@@ -95,11 +95,10 @@ def runs(experiment: str | None, filter_string: str | None, max_results: int, tr
       hookline runs --tracking-uri http://127.0.0.1:5000
     """
     quiet_mlflow_logs()
-    from mlflow import MlflowClient
-
     from hookline.storage.errors import TrackingError, UnknownNameError
+    from hookline.storage.mlflow_adapter import connect
 
-    client = MlflowClient(tracking_uri=tracking_uri)
+    client = connect(tracking_uri)
     uri = client.tracking_uri
     try:
         if experiment is not None:

@@ -20,6 +20,7 @@ from .errors import (
     RecordIndexError,
     StorageError,
     TrackingError,
+    TrackingUnreachableError,
     UnknownNameError,
     WriterClosedError,
 )
@@ -63,6 +64,7 @@ __all__ = [
     "RecordIndexError",
     "StorageError",
     "TrackingError",
+    "TrackingUnreachableError",
     "UnknownNameError",
     "WriterClosedError",
     "handle_key",

@@ -24,6 +24,7 @@ __all__ = [
     "WriterClosedError",
     "FormatError",
     "TrackingError",
+    "TrackingUnreachableError",
 ]
 
 
@@ -77,3 +78,9 @@ class FormatError(HooklineError, ValueError):
 
 class TrackingError(HooklineError, RuntimeError):
     """An MLflow request failed (server down, upload error, unknown run)."""
+
+
+class TrackingUnreachableError(TrackingError, ConnectionError):
+    """The MLflow tracking server does not answer (refused, unresolvable, timed out): also an
+    ``OSError``/``ConnectionError``. Recorded files stay on disk; ``hookline sync`` uploads them
+    later."""

@@ -52,7 +52,7 @@ from typing import Any, Iterable
 
 import numpy as np
 
-from .errors import FormatError, InvalidArgumentError, TrackingError, UnknownNameError
+from .errors import FormatError, InvalidArgumentError, TrackingError, TrackingUnreachableError, UnknownNameError
 from .keys import _esc, handle_key
 
 __all__ = [
@@ -156,7 +156,21 @@ def _cut(value: str) -> str:
 # --------------------------------------------------------------------------------------------
 
 
-def _client(tracking_uri: str | None) -> Any:
+#: Seconds a tracking server gets to answer hookline's reachability check before a pass or a
+#: command gives up (``$HOOKLINE_MLFLOW_TIMEOUT``). MLflow itself retries a refused connection for
+#: about four minutes per request, so without the check a dead server blocks ``close()``.
+REACH_TIMEOUT_S = 10.0
+
+
+def connect(tracking_uri: str | None) -> Any:
+    """An :class:`mlflow.MlflowClient` for ``tracking_uri`` (default: MLflow's resolution), after
+    checking that an HTTP tracking server answers.
+
+    Raises:
+        InvalidArgumentError: MLflow cannot use the URI (e.g. ``htp://...``).
+        TrackingUnreachableError: the server does not answer within ``$HOOKLINE_MLFLOW_TIMEOUT``
+            seconds (default 10).
+    """
     try:
         from mlflow import MlflowClient
     except ImportError as e:  # pragma: no cover - mlflow is a dependency
@@ -164,7 +178,43 @@ def _client(tracking_uri: str | None) -> Any:
             "the MLflow adapter needs mlflow: install it with `pip install mlflow` "
             f"(import failed: {e})"
         ) from e
-    return MlflowClient(tracking_uri=tracking_uri)
+    try:
+        client = MlflowClient(tracking_uri=tracking_uri)
+    except Exception as e:  # noqa: BLE001 - mlflow's own URI errors
+        raise InvalidArgumentError(
+            f"MLflow cannot use the tracking URI {tracking_uri!r}: {_short(e)}; use e.g. "
+            "http://127.0.0.1:5000, sqlite:///mlflow.db or a local directory"
+        ) from e
+    check_reachable(_uri_of(client))
+    return client
+
+
+_client = connect
+
+
+def check_reachable(uri: str, timeout: float | None = None) -> None:
+    """Raise :class:`TrackingUnreachableError` unless the HTTP(S) tracking server at ``uri``
+    answers ``GET /health`` (any HTTP status counts: it answered) within ``timeout`` seconds.
+    Other stores (sqlite, files, databases) are not checked."""
+    if not uri.startswith(("http://", "https://")):
+        return
+    import urllib.error
+    import urllib.request
+
+    if timeout is None:
+        timeout = float(os.environ.get("HOOKLINE_MLFLOW_TIMEOUT") or REACH_TIMEOUT_S)
+    try:
+        with urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=timeout) as resp:
+            resp.read(64)
+    except urllib.error.HTTPError:
+        return  # an answer (401, 404 behind a proxy...): the server is there
+    except (OSError, ValueError) as e:  # URLError, refused, timed out, unresolvable, bad URL
+        reason = getattr(e, "reason", None) or e
+        raise TrackingUnreachableError(
+            f"cannot reach the MLflow tracking server at {uri!r} ({reason}; waited up to {timeout:g} s): "
+            "start it, or pass the right tracking URI (tracking_uri=... / --tracking-uri / "
+            "MLFLOW_TRACKING_URI); recorded files stay on disk, `hookline sync` uploads them later"
+        ) from e
 
 
 def _uri_of(client: Any) -> str:
@@ -318,6 +368,8 @@ class SyncReport:
         errors: one line per failure (empty when everything succeeded).
         seconds: wall time of the pass(es).
         pending: files not uploaded yet because the writer has not finished them (mid-run passes).
+        unreachable: a pass found the tracking server not answering (:meth:`error` is then a
+            :class:`TrackingUnreachableError`, also a ``ConnectionError``).
     """
 
     run_id: str
@@ -328,6 +380,7 @@ class SyncReport:
     errors: list[str] = field(default_factory=list)
     seconds: float = 0.0
     pending: list[str] = field(default_factory=list)
+    unreachable: bool = False
 
     @property
     def ok(self) -> bool:
@@ -343,12 +396,14 @@ class SyncReport:
         self.errors += other.errors
         self.seconds += other.seconds
         self.pending += other.pending
+        self.unreachable = self.unreachable or other.unreachable
 
     def error(self, run_dir: Path | str | None = None) -> TrackingError:
         """A :class:`TrackingError` describing the failures, with the command that repairs them."""
         where = str(run_dir) if run_dir is not None else "RUN_DIR"
-        lines = "; ".join(self.errors[:5]) + (f"; ... ({len(self.errors)} errors)" if len(self.errors) > 5 else "")
-        err = TrackingError(
+        unique = list(dict.fromkeys(self.errors))  # (each failed pass reports the same dead server)
+        lines = "; ".join(unique[:5]) + (f"; ... ({len(unique)} errors)" if len(unique) > 5 else "")
+        err = (TrackingUnreachableError if self.unreachable else TrackingError)(
             f"MLflow upload to run {self.run_id!r} failed: {lines}. Local files are complete; "
             f"upload later with `hookline sync {where} --run-id {self.run_id}`"
         )
@@ -641,6 +696,7 @@ class MlflowAdapter:
             raise
         except Exception as e:  # noqa: BLE001 - collected into the report
             report.errors.append(_short(e) if isinstance(e, TrackingError) else f"{run_dir}: {_short(e)}")
+            report.unreachable = report.unreachable or isinstance(e, TrackingUnreachableError)
         report.seconds = time.perf_counter() - t0
         if report.errors:
             log.warning("hookline: MLflow sync of %s to run %s: %s", run_dir, self.run_id, "; ".join(report.errors))
@@ -651,6 +707,7 @@ class MlflowAdapter:
 
         manifests = _load_manifests(run_dir, self.rank)
         client = self.client
+        check_reachable(_uri_of(client))  # fail in seconds, not after MLflow's minutes of retries
         tags_now = dict(_get_run(client, self.run_id).data.tags)
 
         # 1. start the handle-file uploads (they run while the norms are read and logged)
@@ -668,7 +725,7 @@ class MlflowAdapter:
                     if mode == _FINAL:
                         report.errors.append(
                             f"handle {hid!r}: file {str(local)!r} is missing (the writer is still running, or was "
-                            "killed: close it, or run `hookline verify` to repair the run, then sync again)")
+                            "killed: close it, or run `hookline verify --repair` on the run directory, then sync again)")
                     else:
                         report.pending.append(f"{ARTIFACT_ROOT}/{Path(rel).as_posix()}")
                     continue

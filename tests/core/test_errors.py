@@ -18,6 +18,7 @@ BUILTIN = {
     "FormatError": ValueError,
     "RecordIndexError": IndexError,
     "TrackingError": RuntimeError,
+    "TrackingUnreachableError": ConnectionError,
 }
 
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from _mlflow_support import LINEAR, RELU, HandleSpec, append_records, build_run, sha256
 
-from hookline.storage import InvalidArgumentError, TrackingError, UnknownNameError
+from hookline.storage import InvalidArgumentError, TrackingError, TrackingUnreachableError, UnknownNameError
 from hookline.storage.mlflow_adapter import (
     MlflowAdapter,
     metric_key,
@@ -307,8 +307,7 @@ def test_default_tracking_uri_is_mlflows_resolution(sqlite_tracking_uri, tmp_pat
 def test_server_killed_mid_run_then_sync_completes_without_duplicates(mlflow_server_factory, tmp_path, monkeypatch):
     from mlflow import MlflowClient
 
-    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
-    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")
+    # (MLflow's default retries: the reachability check, not a setting, makes the failure quick)
     server = mlflow_server_factory()
     client = MlflowClient(server.uri)
     rid = client.create_run(client.create_experiment("kill")).info.run_id
@@ -327,9 +326,10 @@ def test_server_killed_mid_run_then_sync_completes_without_duplicates(mlflow_ser
     assert time.perf_counter() - t0 < 0.05
     built.writer.close()
     before = {p: sha256(p) for p in built.path.rglob("*") if p.is_file()}
-    with pytest.raises(TrackingError, match=f"hookline sync .* --run-id {rid}") as ei:
+    with pytest.raises(TrackingUnreachableError, match=f"hookline sync .* --run-id {rid}") as ei:
         adapter.close(timeout=120)
-    assert ei.value.report.errors
+    assert isinstance(ei.value, ConnectionError) and ei.value.report.errors
+    assert f"cannot reach the MLflow tracking server at {server.uri!r}" in str(ei.value)
     assert adapter.close(raise_on_error=False) is ei.value.report  # reported once, then returned
     assert {p: sha256(p) for p in built.path.rglob("*") if p.is_file()} == before  # local files untouched
 
@@ -351,6 +351,32 @@ def test_server_killed_mid_run_then_sync_completes_without_duplicates(mlflow_ser
     tags = client.get_run(rid).data.tags
     assert tags[tag_key("grads[blocks.0]", "records")] == "8"
     assert tags[tag_key("grads[blocks.0]", "artifact")] == "hookline/grads/blocks.0.h5"
+
+
+def _closed_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_unreachable_server_and_bad_uris_are_clear_errors(sqlite_tracking_uri, tmp_path):
+    """A dead server is a ConnectionError that quotes the URI (MLflow alone retried for about
+    four minutes per request); a URI MLflow cannot use is an InvalidArgumentError."""
+    from mlflow import MlflowClient
+
+    built = build_run(tmp_path / "run", SPECS, records=3)
+    rid = MlflowClient(sqlite_tracking_uri).create_run("0").info.run_id
+    dead = f"http://127.0.0.1:{_closed_port()}"
+    with pytest.raises(TrackingUnreachableError, match=re.escape(repr(dead))) as ei:
+        sync(built.path, rid, tracking_uri=dead)
+    assert isinstance(ei.value, OSError) and "hookline sync" in str(ei.value)
+    with pytest.raises(TrackingUnreachableError):
+        mlflow_source(f"runs:/{rid}", tracking_uri=dead)
+    for bad in ("htp://127.0.0.1:5000",):
+        with pytest.raises(InvalidArgumentError, match=re.escape(repr(bad))):
+            sync(built.path, rid, tracking_uri=bad)
 
 
 def test_pending_uploads_are_flushed_at_interpreter_exit(sqlite_tracking_uri, tmp_path):
