@@ -438,17 +438,26 @@ def _hook_exit() -> None:
         if _EXIT_HOOKED:
             return
         _EXIT_HOOKED = True
-    # threading's exit hooks run (in reverse order) *before* concurrent.futures shuts its
-    # executors down, so the final uploads can still use a thread pool; fall back to atexit.
+    at_exit_before_executors(_close_all_at_exit)
+
+
+def at_exit_before_executors(fn: Any) -> None:
+    """Run ``fn`` at interpreter exit while thread pools still work.
+
+    threading's exit hooks run (last registered first) *before* concurrent.futures shuts its
+    executors down, so final uploads can still use a thread pool; plain ``atexit`` runs after
+    that. A Recorder with MLflow registers here after its adapter did, so it finishes its files
+    before the adapters' final uploads. Falls back to ``atexit``.
+    """
     register = getattr(threading, "_register_atexit", None)
     try:
         if register is None:
             raise RuntimeError
-        register(_close_all_at_exit)
+        register(fn)
     except RuntimeError:
         import atexit
 
-        atexit.register(_close_all_at_exit)
+        atexit.register(fn)
 
 
 class MlflowAdapter:

@@ -221,7 +221,14 @@ class Recorder:
         self.grads = CaptureHook(self, CaptureOptions("grads"))
         # Close at interpreter exit so buffered data reaches the disk (weakly: no leak).
         self._atexit = weak_closer(self, _log_exit_error)
-        atexit.register(self._atexit)
+        if self._mlflow is not None:
+            from hookline.storage.mlflow_adapter import at_exit_before_executors
+
+            # Before the adapters' own exit hook (which would find the writer still open and
+            # upload no files) and while thread pools still work.
+            at_exit_before_executors(self._atexit)
+        else:
+            atexit.register(self._atexit)
 
     # --- configuration ------------------------------------------------------------------
     def hook(
