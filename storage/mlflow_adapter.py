@@ -52,7 +52,7 @@ from typing import Any, Iterable
 
 import numpy as np
 
-from .errors import FormatError, InvalidArgumentError, TrackingError, TrackingUnreachableError, UnknownNameError
+from .errors import DuplicateNameError, FormatError, InvalidArgumentError, TrackingError, TrackingUnreachableError, UnknownNameError
 from .keys import _esc, handle_key
 
 __all__ = [
@@ -411,6 +411,30 @@ class SyncReport:
         return err
 
 
+def _origin_key(rank: Any) -> str:
+    return "hookline.origin" if rank is None else f"hookline.origin-rank{rank}"
+
+
+def _check_origin(run_id: str, run_dir: Path, manifests: list, tags_now: dict[str, str]) -> dict[str, str]:
+    """The run's ``hookline.origin`` tags (each rank's run directory, by its manifest's
+    ``run_uuid``); refuse a run directory other than the one already synced to this MLflow run: its
+    handle files have the same artifact paths and its records the same metric keys, so it would
+    replace the first one's files and lose its metric points."""
+    tags = {}
+    for _, man in manifests:
+        key = _origin_key(man.get("rank"))
+        mine = str(man.get("run_uuid") or man.get("created", ""))  # (runs before run_uuid: created)
+        have = tags_now.get(key)
+        if have is not None and have != mine:
+            raise DuplicateNameError(
+                f"MLflow run {run_id!r} already holds the hookline data of another run directory "
+                f"({key} {have!r}; {str(run_dir)!r} is {mine!r}): one run directory per MLflow run; "
+                "record or sync this one into a new MLflow run (e.g. a child run of this one)"
+            )
+        tags[key] = mine
+    return tags
+
+
 # --------------------------------------------------------------------------------------------
 # adapter
 # --------------------------------------------------------------------------------------------
@@ -701,7 +725,7 @@ class MlflowAdapter:
         report = SyncReport(self.run_id)
         try:
             self._pass_inner(run_dir, mode, report)
-        except (UnknownNameError, FormatError):
+        except (UnknownNameError, FormatError, DuplicateNameError):
             raise
         except Exception as e:  # noqa: BLE001 - collected into the report
             report.errors.append(_short(e) if isinstance(e, TrackingError) else f"{run_dir}: {_short(e)}")
@@ -718,6 +742,7 @@ class MlflowAdapter:
         client = self.client
         check_reachable(_uri_of(client))  # fail in seconds, not after MLflow's minutes of retries
         tags_now = dict(_get_run(client, self.run_id).data.tags)
+        origin = _check_origin(self.run_id, run_dir, manifests, tags_now)
 
         # 1. start the handle-file uploads (they run while the norms are read and logged)
         uploads: list[tuple[str, Path, str, str]] = []  # (artifact path, local, digest, synced tag)
@@ -811,6 +836,7 @@ class MlflowAdapter:
             if entry.get("file") and (skey in tags or skey in tags_now):
                 tags[tag_key(hid, "artifact", rank=rank)] = f"{ARTIFACT_ROOT}/{Path(entry['file']).as_posix()}"
         # 3. run-level tags
+        tags.update(origin)
         tags["hookline.version"] = _version()
         fmt = {str(m.get("format_version")) for _, m in manifests if m.get("format_version") is not None}
         if fmt:

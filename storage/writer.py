@@ -21,6 +21,7 @@ import os
 import re
 import threading
 import time
+import uuid
 import weakref
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
@@ -349,11 +350,13 @@ class RunWriter:
         self._lock_fd = _lock_run(self.run_dir, self._suffix)
         self._manifest_path = self.run_dir / manifest_name(rank, world_size)
         self._created = now_iso()
+        self._uuid = uuid.uuid4().hex  # identifies the run directory (e.g. to an MLflow run)
         self._old_handles: dict[str, Any] = {}
         if self._manifest_path.exists():
             try:
                 old = read_manifest(self._manifest_path)
                 self._created = old.get("created", self._created)
+                self._uuid = old.get("run_uuid") or self._uuid
                 self._old_handles = dict(old.get("handles", {}))
             except Exception:
                 pass  # verify() reports broken manifests; we rewrite it
@@ -1294,7 +1297,7 @@ class RunWriter:
             }
         return {
             "format": RUN_FORMAT, "format_version": FORMAT_VERSION, "hookline_version": hookline_version(),
-            "created": self._created, "updated": now_iso(), "status": status,
+            "created": self._created, "updated": now_iso(), "status": status, "run_uuid": self._uuid,
             "rank": self.rank, "world_size": self.world_size, "meta": self.meta,
             "dropped": sum(int(v.get("dropped", 0)) for v in handles.values()),
             "error": str(self._error) if self._error else None,

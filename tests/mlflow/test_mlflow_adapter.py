@@ -379,6 +379,27 @@ def test_unreachable_server_and_bad_uris_are_clear_errors(sqlite_tracking_uri, t
             sync(built.path, rid, tracking_uri=bad)
 
 
+def test_a_second_run_directory_is_refused_by_a_synced_run(sqlite_tracking_uri, tmp_path):
+    """Its files would replace the first one's (same artifact paths) and its records would lose
+    their metric points (the first one's watermark): that happened silently before."""
+    from mlflow import MlflowClient
+
+    from hookline.storage import DuplicateNameError
+
+    client = MlflowClient(sqlite_tracking_uri)
+    rid = client.create_run("0").info.run_id
+    first = build_run(tmp_path / "first", SPECS, records=3)
+    second = build_run(tmp_path / "second", SPECS, records=5)
+    assert sync(first.path, rid, tracking_uri=sqlite_tracking_uri).ok
+    before = client.get_run(rid).data.tags
+    with pytest.raises(DuplicateNameError, match="already holds the hookline data of another run directory"):
+        sync(second.path, rid, tracking_uri=sqlite_tracking_uri)
+    assert client.get_run(rid).data.tags == before
+    dl = client.download_artifacts(rid, "hookline/outputs/blocks.0.h5", str(tmp_path / "dl"))
+    assert sha256(Path(dl)) == sha256(first.path / "outputs/blocks.0.h5")
+    assert sync(first.path, rid, tracking_uri=sqlite_tracking_uri).ok  # the same directory: fine
+
+
 def test_pending_uploads_are_flushed_at_interpreter_exit(sqlite_tracking_uri, tmp_path):
     from mlflow import MlflowClient
 
