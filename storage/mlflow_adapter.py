@@ -224,7 +224,7 @@ def _uri_of(client: Any) -> str:
 def _get_run(client: Any, run_id: str) -> Any:
     """``client.get_run`` with hookline errors that quote the run id and the tracking URI."""
     try:
-        return client.get_run(run_id)
+        run = client.get_run(run_id)
     except Exception as e:  # noqa: BLE001 - classify mlflow's errors
         code = getattr(e, "error_code", "")
         uri = _uri_of(client)
@@ -235,6 +235,13 @@ def _get_run(client: Any, run_id: str) -> Any:
                 "(tracking_uri=... / --tracking-uri / MLFLOW_TRACKING_URI)"
             ) from e
         raise TrackingError(f"cannot reach MLflow run {run_id!r} at tracking URI {uri!r}: {_short(e)}") from e
+    if getattr(run.info, "lifecycle_stage", "active") == "deleted":
+        # (MLflow accepts artifacts into a deleted run but refuses its metrics)
+        raise UnknownNameError(
+            f"MLflow run {run_id!r} at tracking URI {_uri_of(client)!r} is deleted: restore it "
+            "(`mlflow runs restore --run-id ...`, the MLflow UI) or use another run"
+        )
+    return run
 
 
 def _short(e: BaseException) -> str:
@@ -300,14 +307,23 @@ def _file_digest(path: Path, cache: dict) -> str:
     return digest
 
 
-def _norm_fields(fields: Iterable[str]) -> list[tuple[str, str, bool]]:
-    """``(field, metric_base, already_a_norm)`` for the fields that get a norm series."""
-    names = list(fields)
+def _norm_fields(fields: dict[str, Any]) -> list[tuple[str, str, bool]]:
+    """``(field, metric_base, already_a_norm)`` for the fields that get a norm series.
+
+    ``fields`` is a manifest handle entry's ``fields`` (name -> ``{"shape": ...}``). A stats-mode
+    norm is a scalar per record named ``<field>.norm``; a tensor field that merely has that name
+    (a module returning ``{"norm": tensor}``) gets its own L2 norm like any other.
+    """
+
+    def stats_norm(name: str) -> bool:
+        info = fields.get(name)
+        return name.endswith(".norm") and isinstance(info, dict) and info.get("shape") == []
+
     out = []
-    for f in names:
-        if f.endswith(".norm"):  # mode="stats": the field *is* the per-record L2 norm
+    for f in fields:
+        if stats_norm(f):  # mode="stats": the field *is* the per-record L2 norm
             out.append((f, f[: -len(".norm")], True))
-        elif f.endswith(_STATS_SUFFIXES) and f.rsplit(".", 1)[0] + ".norm" in names:
+        elif f.endswith(_STATS_SUFFIXES) and stats_norm(f.rsplit(".", 1)[0] + ".norm"):
             continue  # other summaries of a stats-mode field
         else:
             out.append((f, f, False))
@@ -803,11 +819,13 @@ class MlflowAdapter:
                         key = metric_key(hid, sr.base, "norm", rank=rank)
                         metrics.extend(Metric(key, float(v), created + int(r), int(st))
                                        for r, st, v in zip(sr.records, sr.steps, sr.norms))
-                        # summaries over all entries, at the last entry's step and (deterministic)
-                        # timestamp: a repeat is an identical point, which the store drops
+                        # summaries over all entries, at the largest step so far (MLflow shows the
+                        # value at the largest step: steps that restart per epoch must not hide a
+                        # newer summary) and the last entry's (deterministic) timestamp: a repeat
+                        # is an identical point, which the store drops
                         finite = sr.all_norms[~np.isnan(sr.all_norms)]
                         vmax = float(finite.max()) if finite.size else float("nan")
-                        ts, st = created + int(sr.all_records[-1]), int(sr.all_steps[-1])
+                        ts, st = created + int(sr.all_records[-1]), int(sr.all_steps.max())
                         metrics.append(Metric(metric_key(hid, sr.base, "norm_max", rank=rank), vmax, ts, st))
                         metrics.append(Metric(metric_key(hid, sr.base, "norm_last", rank=rank),
                                               float(sr.all_norms[-1]), ts, st))

@@ -400,6 +400,76 @@ def test_a_second_run_directory_is_refused_by_a_synced_run(sqlite_tracking_uri, 
     assert sync(first.path, rid, tracking_uri=sqlite_tracking_uri).ok  # the same directory: fine
 
 
+def _run_and_writer(uri: str, tmp_path: Path, hid: str):
+    """A new MLflow run and a RunWriter on ``tmp_path/run`` with one Linear handle ``hid``."""
+    from mlflow import MlflowClient
+
+    from hookline.storage import RunWriter
+
+    client = MlflowClient(uri)
+    kind, _, name = hid.partition("[")
+    w = RunWriter(tmp_path / "run", fsync=False)
+    w.add_handle(hid, module_name=name[:-1], module_type=LINEAR,
+                 category="backward_hook" if kind == "grads" else "forward_hook", hook_fn_name=kind)
+    return client, client.create_run("0").info.run_id, w
+
+
+def test_summaries_stay_current_when_steps_restart(sqlite_tracking_uri, tmp_path):
+    """Steps that restart per epoch: the summaries of the second pass were logged at a lower step
+    than the first pass's, so MLflow kept showing the first (norm_max 2.6 for a true 250)."""
+    client, rid, w = _run_and_writer(sqlite_tracking_uri, tmp_path, "grads[fc]")
+    rng = np.random.default_rng(0)
+    norms = []
+    for epoch, (steps, scale) in enumerate(((range(10), 1.0), (range(5), 100.0))):
+        for step in steps:
+            g = (rng.standard_normal(8) * scale).astype(np.float32)
+            norms.append(float(np.linalg.norm(g)))
+            w.write("grads[fc]", step, 0, {"grad_out.0": g})
+        if epoch == 0:  # a mid-run pass (metrics only)
+            w.flush()
+            adapter = MlflowAdapter(rid, tracking_uri=sqlite_tracking_uri)
+            adapter.submit(tmp_path / "run")
+            assert adapter.wait(timeout=60).metrics > 0
+    w.close()
+    assert adapter.close(timeout=60).ok  # the final pass
+    got = client.get_run(rid).data.metrics
+    assert got[metric_key("grads[fc]", "grad_out.0", "norm_max")] == pytest.approx(max(norms), rel=1e-5)
+    assert got[metric_key("grads[fc]", "grad_out.0", "norm_last")] == pytest.approx(norms[-1], rel=1e-5)
+    key = metric_key("grads[fc]", "grad_out.0", "norm_max")
+    assert client.search_runs(["0"], filter_string=f"metrics.`{key}` > 50")
+
+
+def test_a_tensor_field_named_norm_gets_its_own_l2_norm(sqlite_tracking_uri, tmp_path):
+    """A module returning {"norm": tensor}: its field outputs.norm was taken for a stats-mode norm
+    and logged as |first element|."""
+    client, rid, w = _run_and_writer(sqlite_tracking_uri, tmp_path, "outputs[m]")
+    rng = np.random.default_rng(1)
+    values = []
+    for step in range(3):
+        y = rng.standard_normal((2, 8)).astype(np.float32)
+        values.append(y)
+        w.write("outputs[m]", step, 0, {"outputs.norm": y, "outputs.feat": y * 2})
+    w.close()
+    assert sync(tmp_path / "run", rid, tracking_uri=sqlite_tracking_uri).ok
+    for field, scale in (("outputs.norm", 1), ("outputs.feat", 2)):
+        hist = _history(client, rid, metric_key("outputs[m]", field))
+        np.testing.assert_allclose([v for _, v in hist], [np.linalg.norm(y * scale) for y in values], rtol=1e-5)
+
+
+def test_a_deleted_run_is_refused_before_anything_is_uploaded(sqlite_tracking_uri, tmp_path):
+    from mlflow import MlflowClient
+
+    client = MlflowClient(sqlite_tracking_uri)
+    rid = client.create_run("0").info.run_id
+    client.delete_run(rid)
+    built = build_run(tmp_path / "run", SPECS, records=2)
+    with pytest.raises(UnknownNameError, match="is deleted"):
+        sync(built.path, rid, tracking_uri=sqlite_tracking_uri)
+    client.restore_run(rid)
+    assert client.list_artifacts(rid) == []  # nothing went into the deleted run
+    assert sync(built.path, rid, tracking_uri=sqlite_tracking_uri).ok
+
+
 def test_pending_uploads_are_flushed_at_interpreter_exit(sqlite_tracking_uri, tmp_path):
     from mlflow import MlflowClient
 
