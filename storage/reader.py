@@ -72,7 +72,19 @@ class LocalSource:
 
 
 def _synthesise_manifests(root: Path) -> list[dict[str, Any]]:
-    """Build manifests from the attributes of every complete file (a run without manifest)."""
+    """Build manifests from the attributes of every complete file (a run without manifest).
+
+    Raises:
+        FormatError: ``root`` holds other runs (e.g. the demo's folder of two runs), or no
+            hookline file at all: it is not a run directory.
+    """
+    nested = sorted({p.parent for p in root.rglob("*.json") if _MANIFEST.fullmatch(p.name)} - {root})
+    if nested:
+        names = [str(p.relative_to(root)) for p in nested]
+        raise FormatError(
+            f"{str(root)!r} is not a run directory (no manifest.json) but contains runs: "
+            f"{_names_hint(names, 10)}; pass one of them"
+        )
     by_rank: dict[tuple[int, int], dict[str, Any]] = {}
     for p in sorted(list(root.rglob("*.h5")) + list(root.rglob("*.h5seg"))):
         try:
@@ -82,6 +94,8 @@ def _synthesise_manifests(root: Path) -> list[dict[str, Any]]:
             continue
         if a.get("hookline_format") != "hookline-handle":
             continue
+        if not p.relative_to(root).as_posix().startswith(f"{a.get('key')}."):
+            continue  # not where its key puts it: a file of another run (copied or nested)
         rank, ws = int(a.get("rank", -1)), int(a.get("world_size", -1))
         m = by_rank.setdefault((rank, ws), {
             "format": RUN_FORMAT, "format_version": FORMAT_VERSION, "status": "unknown",
@@ -93,6 +107,11 @@ def _synthesise_manifests(root: Path) -> list[dict[str, Any]]:
             "module_name": str(a.get("module_name", "")), "module_type": str(a.get("module_type", "")),
             "category": str(a.get("category", "")), "hook_fn_name": str(a.get("hook_fn_name", "")),
             "meta": json.loads(a.get("meta", "{}")), "fields": {}})
+    if not by_rank:
+        raise FormatError(
+            f"{str(root)!r} is not a hookline run directory: it has no manifest.json and no hookline "
+            "handle files (a run directory is what a Recorder or RunWriter was given)"
+        )
     return [by_rank[k] for k in sorted(by_rank)]
 
 

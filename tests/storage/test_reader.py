@@ -65,6 +65,20 @@ def test_open_run_errors(tmp_path):
         open_run(tmp_path / "bad")
 
 
+def test_a_folder_of_runs_is_not_read_as_one_run(tmp_path):
+    """(It was: a run of every handle of every run below it, all with 0 records, exit code 0.)"""
+    for name in ("lr0.1", "lr0.01"):
+        write_std_run(tmp_path / "sweep" / name, n=2).close()
+    with pytest.raises(FormatError, match=r"not a run directory .* contains runs: \['lr0.01', 'lr0.1'\]"):
+        open_run(tmp_path / "sweep")
+    # a handle file away from where its key puts it belongs to no run here
+    (tmp_path / "loose").mkdir()
+    src = next((tmp_path / "sweep" / "lr0.1").rglob("*.h5"))
+    (tmp_path / "loose" / "copied.h5").write_bytes(src.read_bytes())
+    with pytest.raises(FormatError, match="not a hookline run directory"):
+        open_run(tmp_path / "loose")
+
+
 def test_reads_live_and_killed_runs_without_repair(run_dir):
     w = write_std_run(run_dir, n=10)
     w.flush()
