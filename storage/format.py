@@ -256,7 +256,8 @@ def read_manifest(path: Path) -> dict[str, Any]:
     try:
         obj = json.loads(Path(path).read_text("utf-8"))
     except (OSError, ValueError) as e:
-        raise FormatError(f"cannot read manifest {str(path)!r}: {e}") from e
+        raise FormatError(f"cannot read manifest {str(path)!r}: {e} (`hookline verify --repair` on the run "
+                          "directory rebuilds it from the files)") from e
     check_manifest(obj, str(path))
     return obj
 

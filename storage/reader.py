@@ -71,15 +71,16 @@ class LocalSource:
         return discover_files(self.root, key, suffix)
 
 
-def _synthesise_manifests(root: Path) -> list[dict[str, Any]]:
-    """Build manifests from the attributes of every complete file (a run without manifest).
+def _synthesise_manifests(root: Path, strict: bool = True) -> list[dict[str, Any]]:
+    """Build manifests from the attributes of every complete file (a run without manifest),
+    with the run metadata the writer stored in each file.
 
     Raises:
-        FormatError: ``root`` holds other runs (e.g. the demo's folder of two runs), or no
-            hookline file at all: it is not a run directory.
+        FormatError: (``strict``) ``root`` holds other runs (e.g. the demo's folder of two runs),
+            or no hookline file at all: it is not a run directory.
     """
     nested = sorted({p.parent for p in root.rglob("*.json") if _MANIFEST.fullmatch(p.name)} - {root})
-    if nested:
+    if nested and strict:
         names = [str(p.relative_to(root)) for p in nested]
         raise FormatError(
             f"{str(root)!r} is not a run directory (no manifest.json) but contains runs: "
@@ -99,20 +100,28 @@ def _synthesise_manifests(root: Path) -> list[dict[str, Any]]:
         rank, ws = int(a.get("rank", -1)), int(a.get("world_size", -1))
         m = by_rank.setdefault((rank, ws), {
             "format": RUN_FORMAT, "format_version": FORMAT_VERSION, "status": "unknown",
-            "rank": None if rank < 0 else rank, "world_size": None if ws < 0 else ws, "meta": {},
-            "handles": {}})
+            "rank": None if rank < 0 else rank, "world_size": None if ws < 0 else ws,
+            "meta": _run_meta(a), "handles": {}})
         hid = str(a["handle_id"])
         m["handles"].setdefault(hid, {
             "key": str(a["key"]), "file": f"{a['key']}{rank_suffix(m['rank'], m['world_size'])}.h5",
             "module_name": str(a.get("module_name", "")), "module_type": str(a.get("module_type", "")),
             "category": str(a.get("category", "")), "hook_fn_name": str(a.get("hook_fn_name", "")),
             "meta": json.loads(a.get("meta", "{}")), "fields": {}})
-    if not by_rank:
+    if not by_rank and strict:
         raise FormatError(
             f"{str(root)!r} is not a hookline run directory: it has no manifest.json and no hookline "
             "handle files (a run directory is what a Recorder or RunWriter was given)"
         )
     return [by_rank[k] for k in sorted(by_rank)]
+
+
+def _run_meta(attrs: dict[str, Any]) -> dict[str, Any]:
+    try:
+        meta = json.loads(attrs.get("run_meta") or "{}")
+    except ValueError:
+        return {}
+    return meta if isinstance(meta, dict) else {}
 
 
 class _Ref:

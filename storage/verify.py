@@ -40,7 +40,7 @@ from .format import (
     now_iso,
     rank_suffix,
 )
-from .reader import LocalSource, _synthesise_manifests
+from .reader import _MANIFEST, LocalSource, _synthesise_manifests
 
 __all__ = ["verify", "VerifyReport", "HandleReport", "QUARANTINE_DIR"]
 
@@ -205,19 +205,31 @@ def verify(path: str | os.PathLike[str], repair: bool = False) -> VerifyReport:
             f"a RunWriter is still writing {str(path)!r} (lock {held[0]!r} is held): close it (or let it "
             f"finish) before verify(repair=True); verify without repair reads a live run safely")
     src = LocalSource(run_dir)
-    try:
-        manifests = src.manifests()
-    except FormatError as e:
-        report.problems.append(f"manifest unreadable: {e}")
-        manifests = _synthesise_manifests(run_dir)
+    damage = None
+    if not any(_MANIFEST.fullmatch(p.name) for p in run_dir.iterdir()):
+        damage = "manifest.json is missing"
+        manifests = []
+    else:
+        try:
+            manifests = src.manifests()
+        except FormatError as e:
+            damage = f"manifest unreadable: {e}"
+            manifests = []
+            if repair:
+                for p in run_dir.iterdir():
+                    if p.name.startswith("manifest") and p.suffix == ".json":
+                        _quarantine(run_dir, p.name, report)
+    if damage is not None:
+        # Rebuilt from the files' attributes (handles, run metadata); the record counts follow
+        # from the files below.
+        manifests = _synthesise_manifests(run_dir, strict=False)
         if repair:
-            for p in run_dir.iterdir():
-                if p.name.startswith("manifest") and p.suffix == ".json":
-                    _quarantine(run_dir, p.name, report)
-            report.repaired.append("manifest rebuilt from the files' attributes")
+            report.repaired.append(f"{damage}: rebuilt from the files' attributes")
+        else:
+            report.problems.append(f"{damage} (repair rebuilds it from the files' attributes)")
     # Files of handles the manifest does not know (e.g. manifest lost): add them.
     known = {(m.get("rank"), hid) for m in manifests for hid in m["handles"]}
-    for sm in _synthesise_manifests(run_dir):
+    for sm in _synthesise_manifests(run_dir, strict=False):
         target = next((m for m in manifests if m.get("rank") == sm.get("rank")), None)
         for hid, e in sm["handles"].items():
             if (sm.get("rank"), hid) in known:
@@ -278,7 +290,7 @@ def _verify_handle(run_dir: Path, m: dict, hid: str, entry: dict, suffix: str, r
     for rels, what, why in (
         (d.partials, "unflushed partial file", "written when the writer stopped; its records were never flushed"),
         (d.leftovers, "interrupted merge output",
-         "a copy: its records are in other files; the next writer or verify(repair=True) removes it"),
+         "a copy: its records are in other files; the next writer or a repair removes it"),
     ):
         for rel in rels:
             if repair:
@@ -300,7 +312,7 @@ def _verify_handle(run_dir: Path, m: dict, hid: str, entry: dict, suffix: str, r
     clean = len(good) == 1 and hr.files == [final_rel] and not d.superseded
     if not clean and not repair and (len(good) > 1 or d.superseded or (good and hr.files != [final_rel])):
         hr.problems.append(f"not merged: {len(good)} complete files, {len(d.superseded)} redundant "
-                           f"(run verify with repair=True to merge into {final_rel})")
+                           f"(repair merges them into {final_rel})")
     if repair and not clean:
         _merge_handle(run_dir, good, final_rel, hid, entry, m, hr, suffix)
         hr.problems = [p for p in hr.problems if not p.startswith("records [")]

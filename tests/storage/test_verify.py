@@ -114,13 +114,28 @@ def test_a_handle_whose_every_file_is_damaged_reads_as_empty(run_dir):
 
 
 def test_missing_manifest_is_rebuilt(run_dir):
-    write_std_run(run_dir, n=4).close()
+    write_std_run(run_dir, n=4, meta={"lr": 0.1}).close()
     os.unlink(run_dir / "manifest.json")
     run = open_run(run_dir)  # synthesised from file attributes
     assert sorted(run.handles) == sorted([HID, GID])
+    rep = verify(run_dir)
+    assert not rep.ok and "manifest.json is missing" in str(rep)  # (was reported OK)
     rep = verify(run_dir, repair=True)
+    assert rep.ok, str(rep)
     assert (run_dir / "manifest.json").exists()
-    assert len(open_run(run_dir)[HID]) == 4, str(rep)
+    run = open_run(run_dir)
+    assert len(run[HID]) == 4 and run.meta["lr"] == 0.1  # the run metadata comes back too
+    assert verify(run_dir).ok
+
+
+def test_a_repaired_unreadable_manifest_is_ok(run_dir):
+    """(The repair worked, but the report still said PROBLEMS and the CLI exited 1.)"""
+    write_std_run(run_dir, n=4).close()
+    (run_dir / "manifest.json").write_text('{"format": "hookline-run", "handles": ')
+    assert not verify(run_dir).ok
+    rep = verify(run_dir, repair=True)
+    assert rep.ok and any("manifest unreadable" in r for r in rep.repaired), str(rep)
+    assert verify(run_dir).ok and len(open_run(run_dir)[HID]) == 4
 
 
 def test_repair_refuses_a_live_run(run_dir):
