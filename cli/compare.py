@@ -32,32 +32,58 @@ _STATUS_TEXT = {
     "shape_mismatch": "[red]shape mismatch[/]",
     "no_common_steps": "[yellow]no common steps[/]",
     "unreadable": "[red]unreadable[/]",
+    "no_records": "[yellow]no records[/]",
 }
 
 
 def _extreme_ratio(values) -> float | None:
+    """The norm ratio farthest from 1 (0 and inf included: one norm was zero)."""
     import numpy as np
 
     v = np.asarray(values, float)
-    v = v[np.isfinite(v) & (v > 0)]
+    v = v[~np.isnan(v) & (v >= 0)]
     if v.size == 0:
         return None
+    if (v == 0).any() or np.isinf(v).any():
+        return float(np.inf) if np.isinf(v).any() else 0.0
     return float(v[np.argmax(np.abs(np.log(v)))])
+
+
+def _worst(r: Any, metric: str) -> float | None:
+    """Worst step: min cosine, max rel_l2 (inf when a's norm was zero), norm_ratio farthest from 1."""
+    import numpy as np
+
+    v = np.asarray(r.values.get(metric, ()), float)
+    if metric == "norm_ratio":
+        return _extreme_ratio(v)
+    if metric == "rel_l2" and np.isposinf(v).any():
+        return float("inf")
+    s = r.summary(metric)
+    return s["min"] if metric == "cosine" else s["max"]
+
+
+def nonfinite_note(r: Any, metrics: Sequence[str]) -> str | None:
+    """A note when some compared steps gave no finite value (a zero or NaN record)."""
+    import numpy as np
+
+    n = len(r.steps)
+    bad = {m: int((~np.isfinite(np.asarray(r.values.get(m, ()), float))).sum()) for m in metrics}
+    bad = {m: k for m, k in bad.items() if k}
+    if not n or not bad:
+        return None
+    parts = ", ".join(f"{m} {k}" for m, k in bad.items())
+    return (f"of {n} compared steps, these gave no finite value (a record with norm 0, or NaN/inf "
+            f"in the data): {parts}; means leave them out, --json shows them as null")
 
 
 def metric_cell(r: Any, metric: str) -> str:
     """Table cell of one metric: mean over steps / worst step (cosine: min, rel_l2: max,
     norm_ratio: the value farthest from 1)."""
     s = r.summary(metric)
-    if s["mean"] is None:
+    worst = _worst(r, metric)
+    if s["mean"] is None and worst is None:
         return "-"
-    if metric == "cosine":
-        worst = s["min"]
-    elif metric == "rel_l2":
-        worst = s["max"]
-    else:
-        worst = _extreme_ratio(r.values[metric])
-    return f"{fmt_num(s['mean'], 3)}/{fmt_num(worst, 3)}"
+    return f"{fmt_num(s['mean'], 3) if s['mean'] is not None else '-'}/{fmt_num(worst, 3)}"
 
 
 HEADERS = {"cosine": "cosine\nmean/min", "rel_l2": "rel_l2\nmean/max", "norm_ratio": "norm_ratio\nmean/extreme"}
@@ -77,7 +103,7 @@ def render_table(results: Sequence[Any], metrics: Sequence[str], *, title: str |
     if with_status:
         table.add_column("status", overflow="fold", min_width=6)
     for r in results:
-        missing = r.status in ("missing_in_a", "missing_in_b", "unreadable")
+        missing = r.status in ("missing_in_a", "missing_in_b", "unreadable", "no_records")
         cells = [plain(r.handle), plain(r.field or "-"), "-" if missing else str(len(r.steps))]
         cells += [metric_cell(r, m) for m in metrics]
         status = _STATUS_TEXT.get(r.status, esc(r.status))
@@ -89,14 +115,13 @@ def render_table(results: Sequence[Any], metrics: Sequence[str], *, title: str |
     console().print(table)
 
 
-def render_problems(results: Sequence[Any]) -> None:
-    notes = [r for r in results if r.message]
-    if not notes:
-        return
+def render_problems(results: Sequence[Any], metrics: Sequence[str] = METRIC_CHOICES) -> None:
     c = console()
-    for r in notes:
-        where = r.handle + (f" {r.field}" if r.field else "")
-        c.print(f"[yellow]note:[/] {esc(where)}: {esc(r.message)}", soft_wrap=True, markup=True, highlight=False)
+    for r in results:
+        for msg in (r.message, nonfinite_note(r, metrics)):
+            if msg:
+                where = r.handle + (f" {r.field}" if r.field else "")
+                c.print(f"[yellow]note:[/] {esc(where)}: {esc(msg)}", soft_wrap=True, markup=True, highlight=False)
 
 
 @click.command(context_settings=CONTEXT_SETTINGS, short_help='Compare two runs: cosine, rel_l2, norm_ratio per handle/field/step.')
@@ -145,8 +170,16 @@ def compare(run_a: str, run_b: str, handles: tuple[str, ...], fields: tuple[str,
     from hookline.storage.compare import CompareResult, count_pairs, iter_compare
 
     ms = tuple(dict.fromkeys(metrics)) or METRIC_CHOICES
+    if plot:
+        plot = _plot_path(plot)  # checked before the comparison's work
     ra = open_run_arg(run_a, tracking_uri)
     rb = open_run_arg(run_b, tracking_uri)
+    for run, label, r in ((run_a, "RUN_A", rank if rank_a is None else rank_a),
+                          (run_b, "RUN_B", rank if rank_b is None else rank_b)):
+        if r is not None and list((ra if label == "RUN_A" else rb).ranks) == [None]:
+            raise click.UsageError(
+                f"{label} {run!r} is not a distributed run (it has no ranks); --rank, --rank-a and "
+                f"--rank-b apply to runs recorded under torch.distributed")
     hsel = list(handles) or None
     fsel = list(fields) or None
     total = count_pairs(ra, rb, handles=hsel, fields=fsel)
@@ -155,6 +188,9 @@ def compare(run_a: str, run_b: str, handles: tuple[str, ...], fields: tuple[str,
                                     rank_a=rank if rank_a is None else rank_a,
                                     rank_b=rank if rank_b is None else rank_b))
     res = CompareResult(run_a, run_b, ms, results)
+    if not as_json:  # the table first: a plot that fails to write does not take it along
+        render_table(results, ms, title=f"A = {esc(run_a)}\nB = {esc(run_b)}")
+        render_problems(results, ms)
     if plot:
         from .plot import plot_comparison
 
@@ -167,8 +203,22 @@ def compare(run_a: str, run_b: str, handles: tuple[str, ...], fields: tuple[str,
         d = res.to_dict()
         d["plot"] = plot
         echo_json(clean_json(d))
-        return
-    render_table(results, ms, title=f"A = {esc(run_a)}\nB = {esc(run_b)}")
-    render_problems(results)
-    if plot:
+    elif plot:
         click.echo(f"plot written to {plot}")
+
+
+def _plot_path(plot: str) -> str:
+    """The file the plot goes to (``.png`` added when PLOT has no extension, as matplotlib does),
+    after checking that its folder can be written."""
+    import os
+    from pathlib import Path
+
+    p = Path(plot)
+    if not p.suffix:
+        p = p.with_name(p.name + ".png")
+    folder = p.parent if str(p.parent) else Path(".")
+    if not folder.is_dir():
+        raise click.UsageError(f"--plot {plot!r}: folder {str(folder)!r} does not exist")
+    if not os.access(folder, os.W_OK) or (p.exists() and not os.access(p, os.W_OK)):
+        raise click.UsageError(f"--plot {plot!r}: {str(p)!r} cannot be written (permission denied)")
+    return str(p)

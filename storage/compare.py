@@ -570,6 +570,9 @@ def plan(
             continue
         fa, fb = list(run_a[h].fields), list(run_b[h].fields)
         fnames = fa + [f for f in fb if f not in set(fa)]
+        if not fnames and fpat is None:
+            items.append((h, None, "empty"))  # its hooks never fired in either run: say so
+            continue
         for f in _match(fnames, fpat):
             items.append((h, f, "both" if (f in fa and f in fb) else ("a" if f in fa else "b")))
     if fpat is not None and not any(f is not None for _, f, _ in items):
@@ -608,6 +611,10 @@ def iter_compare(
             notes = [damage_note(r[h], w) for w, r in (("A", ra), ("B", rb))]
             yield FieldComparison(h, None, status="unreadable", values={m: np.zeros(0) for m in ms},
                                   message="; ".join(n for n in notes if n))
+            continue
+        if where == "empty":
+            yield FieldComparison(h, None, status="no_records", values={m: np.zeros(0) for m in ms},
+                                  message=f"handle {h!r} has no records in either run")
             continue
         if f is None or where != "both":  # a handle (f None) or a field present in one run only
             missing = "missing_in_b" if where == "a" else "missing_in_a"

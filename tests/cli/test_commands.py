@@ -180,6 +180,44 @@ def test_compare_errors(cli_runner, runs, tmp_path):
     fails(cli_runner, "compare", runs["a"], runs["b"], "--metric", "l1", code=2)
 
 
+def _one_field_run(path, records, handles=("outputs[m]",)):
+    from hookline.storage import RunWriter
+
+    with RunWriter(path, fsync=False) as w:
+        for hid in handles:
+            w.add_handle(hid, module_name="m", module_type="torch.nn.Linear", category="forward_hook",
+                         hook_fn_name="outputs")
+        for step, rec in enumerate(records):
+            w.write(handles[0], step, 0, {"outputs.0": np.asarray(rec, np.float32)})
+    return path
+
+
+def test_compare_says_which_steps_gave_no_finite_value(cli_runner, tmp_path):
+    """Zero and NaN records: the table showed cosine 1/1 (identical-looking) and dropped the inf
+    rel_l2 and the 0 norm ratio silently."""
+    a = _one_field_run(tmp_path / "a", [[0, 0], [1, 2], [3, 4], [np.nan, 1]])
+    b = _one_field_run(tmp_path / "b", [[1, 1], [1, 2], [0, 0], [1, 1]])
+    res = ok(cli_runner, "compare", a, b)
+    assert "inf" in res.stdout  # rel_l2 worst (|a| = 0) and the norm ratio farthest from 1
+    assert "of 4 compared steps, these gave no finite value" in res.stdout
+    assert "cosine 3" in res.stdout and "rel_l2 2" in res.stdout
+
+
+def test_compare_lists_handles_without_records_and_refuses_rank_on_plain_runs(cli_runner, runs, tmp_path):
+    e = _one_field_run(tmp_path / "e", [], handles=("outputs[m]", "grads[m]"))
+    res = ok(cli_runner, "compare", e, e)
+    assert res.stdout.count("no records") >= 2  # (the handles vanished from the table before)
+    fails(cli_runner, "compare", runs["a"], runs["b"], "--rank", "0", quoted="not a distributed run", code=2)
+
+
+def test_compare_plot_path_gets_its_extension_and_the_table_comes_first(cli_runner, runs, tmp_path):
+    res = ok(cli_runner, "compare", runs["a"], runs["b"], "--plot", tmp_path / "noext")
+    assert (tmp_path / "noext.png").read_bytes()[:4] == b"\x89PNG"
+    assert f"plot written to {tmp_path / 'noext.png'}" in res.stdout
+    fails(cli_runner, "compare", runs["a"], runs["b"], "--plot", tmp_path / "nodir" / "p.png", quoted="does not exist",
+          code=2)
+
+
 # ----------------------------------------------------------------------------- export
 def test_export_npy_csv_h5(cli_runner, runs, tmp_path):
     f = open_run(runs["a"])["grads[fc1]"]["grad_out.0"]
