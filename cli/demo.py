@@ -202,7 +202,8 @@ def demo(out: str, tracking_uri: str | None, steps: int, every: int, no_mlflow: 
     c.print(f"\n[bold]Data[/] (trained and recorded in {elapsed:.1f} s):", soft_wrap=True)
     for r in runs:
         s = r["summary"]
-        size = human_bytes(getattr(s, "bytes", None)) if s is not None else "?"
+        # on disk, as `hookline show` and `hookline runs` count (the summary counts field bytes)
+        size = human_bytes(sum(p.stat().st_size for p in Path(r["dir"]).rglob("*") if p.is_file()))
         nh = len(getattr(s, "handles", {}) or {}) if s is not None else "?"
         c.print(f"  run {r['label']} (lr={r['lr']}, final loss {r['losses'][-1]:.4f}): {r['dir']}  "
                 f"[{nh} handles, {size}]", soft_wrap=True, highlight=False, markup=False)

@@ -51,8 +51,9 @@ def _meta(handle: Any) -> dict:
 
 
 def handle_bytes(handle: Any) -> int | None:
-    """Bytes on disk of one handle (file size when known, else the manifest's count)."""
-    for attr in ("nbytes", "bytes", "size"):
+    """Bytes on disk of one handle (its files' sizes when local, else the manifest's count of
+    field bytes, which leaves out HDF5 metadata and indexes)."""
+    for attr in ("file_bytes", "nbytes", "bytes", "size"):
         v = getattr(handle, attr, None)
         if isinstance(v, (int, np.integer)):
             return int(v)

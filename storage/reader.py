@@ -270,6 +270,7 @@ class Handle:
                 self._refs.extend(_Ref(src, f.name, rank, run.files) for f in d.cover)
             elif e.get("records", 1) or e.get("file"):
                 self._refs.append(_Ref(src, e["file"], rank, run.files))
+        self._files = list(self._refs)  # (_refs keeps the readable ones once loaded)
         self._loaded = False
         self._fields: dict[str, Field] = {}
 
@@ -311,6 +312,20 @@ class Handle:
         self._fields.clear()
         for attr in ("_steps", "_calls", "_ranks"):
             self.__dict__.pop(attr, None)
+
+    @property
+    def file_bytes(self) -> int | None:
+        """Bytes on disk of the handle's files (its final file and sealed segments), or None
+        when they are not local (an MLflow run read through its cache) or not there."""
+        if not isinstance(self.run.source, LocalSource):
+            return None
+        total = 0
+        for r in self._files:
+            try:
+                total += os.path.getsize(r.source.path(r.rel))
+            except OSError:
+                return None
+        return total
 
     @property
     def fields(self) -> list[str]:

@@ -54,6 +54,14 @@ def test_show_run_table_and_json(cli_runner, runs):
     assert f == {"name": "outputs.0", "dtype": "float32", "shape": [6, 16], "ragged": False, "records": 4}
 
 
+def test_show_bytes_are_bytes_on_disk(cli_runner, runs):
+    """(They were the manifest's field bytes: 6.2 KB shown for a 103 KB file.)"""
+    d = json.loads(ok(cli_runner, "show", runs["a"], "--json").stdout)
+    run = open_run(runs["a"])
+    for h in d["handles"]:
+        assert h["bytes"] == (runs["a"] / f"{run[h['handle']].key}.h5").stat().st_size
+
+
 def test_show_ragged_field(cli_runner, runs):
     assert "ragged" in ok(cli_runner, "show", runs["ragged_a"]).stdout
     d = json.loads(ok(cli_runner, "show", runs["ragged_a"], "--json").stdout)
