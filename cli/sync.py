@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 
 import click
@@ -31,7 +32,13 @@ def sync(run_dir: str, run_id: str, tracking_uri: str | None, as_json: bool) -> 
 
     if not os.path.isdir(run_dir):
         raise click.ClickException(f"run directory {run_dir!r} does not exist")
-    report = storage_sync(run_dir, run_id, tracking_uri=tracking_uri)
+    log = logging.getLogger("hookline.mlflow")
+    level = log.level
+    log.setLevel(logging.ERROR)  # the command prints the report's errors itself, once
+    try:
+        report = storage_sync(run_dir, run_id, tracking_uri=tracking_uri)
+    finally:
+        log.setLevel(level)
     d = {
         "run_id": report.run_id,
         "ok": report.ok,
@@ -54,6 +61,7 @@ def sync(run_dir: str, run_id: str, tracking_uri: str | None, as_json: bool) -> 
         for e in report.errors:
             c.print(f"error: {e}", soft_wrap=True, highlight=False, markup=False)
     if not report.ok:
+        where = "listed in the JSON" if as_json else "listed above"
         raise click.ClickException(
-            f"{len(report.errors)} sync errors for {run_dir!r}: {report.errors[0]}; run the command again to retry"
+            f"{len(report.errors)} sync error(s) for {run_dir!r} ({where}); fix them and run the command again"
         )

@@ -226,6 +226,22 @@ def test_compare_plot_path_gets_its_extension_and_the_table_comes_first(cli_runn
           code=2)
 
 
+def test_sync_errors_are_said_once(cli_runner, runs, tmp_path, sqlite_tracking_uri):
+    """(Each error came out three times: its own line, a raw log line, the final message.)"""
+    from mlflow import MlflowClient
+
+    run = tmp_path / "run"
+    shutil.copytree(runs["a"], run)
+    missing = next(run.rglob("*.h5"))
+    missing.unlink()
+    rid = MlflowClient(sqlite_tracking_uri).create_run("0").info.run_id
+    res = cli_runner.invoke(cli, ["sync", str(run), "--run-id", rid, "--tracking-uri", sqlite_tracking_uri])
+    assert res.exit_code == 1
+    out = res.stdout + res.stderr
+    assert out.count(str(missing)) == 1 and "MLflow sync of" not in out, out
+    assert res.stderr.strip().splitlines()[-1].startswith("Error: 1 sync error(s)")
+
+
 # ----------------------------------------------------------------------------- export
 def test_export_npy_csv_h5(cli_runner, runs, tmp_path):
     f = open_run(runs["a"])["grads[fc1]"]["grad_out.0"]
