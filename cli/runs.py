@@ -98,7 +98,7 @@ def runs(experiment: str | None, filter_string: str | None, max_results: int, tr
     from hookline.storage.errors import TrackingError, UnknownNameError
     from hookline.storage.mlflow_adapter import connect
 
-    client = connect(tracking_uri)
+    client = connect(tracking_uri, existing=True)
     uri = client.tracking_uri
     try:
         if experiment is not None:

@@ -162,15 +162,28 @@ def _cut(value: str) -> str:
 REACH_TIMEOUT_S = 10.0
 
 
-def connect(tracking_uri: str | None) -> Any:
+def connect(tracking_uri: str | None, *, existing: bool = False) -> Any:
     """An :class:`mlflow.MlflowClient` for ``tracking_uri`` (default: MLflow's resolution), after
     checking that an HTTP tracking server answers.
 
+    Args:
+        tracking_uri: the tracking URI.
+        existing: the store must exist already (reading runs, syncing to a run): a ``sqlite:``
+            URI naming a file that is not there is a typo, not a new store to create.
+
     Raises:
-        InvalidArgumentError: MLflow cannot use the URI (e.g. ``htp://...``).
+        InvalidArgumentError: MLflow cannot use the URI (e.g. ``htp://...``), or (``existing``)
+            its sqlite file does not exist.
         TrackingUnreachableError: the server does not answer within ``$HOOKLINE_MLFLOW_TIMEOUT``
             seconds (default 10).
     """
+    if existing and tracking_uri and tracking_uri.startswith("sqlite:///"):
+        db = tracking_uri[len("sqlite:///"):]
+        if db and not os.path.exists(db):
+            raise InvalidArgumentError(
+                f"no MLflow store at tracking URI {tracking_uri!r}: {str(Path(db).absolute())!r} does not "
+                "exist (sqlite:///relative.db is relative to the working directory, sqlite:////abs.db absolute)"
+            )
     try:
         from mlflow import MlflowClient
     except ImportError as e:  # pragma: no cover - mlflow is a dependency
@@ -187,9 +200,6 @@ def connect(tracking_uri: str | None) -> Any:
         ) from e
     check_reachable(_uri_of(client))
     return client
-
-
-_client = connect
 
 
 def check_reachable(uri: str, timeout: float | None = None) -> None:
@@ -397,6 +407,8 @@ class SyncReport:
     seconds: float = 0.0
     pending: list[str] = field(default_factory=list)
     unreachable: bool = False
+    #: the run itself was refused (unknown, deleted, holding another run directory)
+    bad_run: bool = False
 
     @property
     def ok(self) -> bool:
@@ -413,15 +425,17 @@ class SyncReport:
         self.seconds += other.seconds
         self.pending += other.pending
         self.unreachable = self.unreachable or other.unreachable
+        self.bad_run = self.bad_run or other.bad_run
 
     def error(self, run_dir: Path | str | None = None) -> TrackingError:
         """A :class:`TrackingError` describing the failures, with the command that repairs them."""
         where = str(run_dir) if run_dir is not None else "RUN_DIR"
         unique = list(dict.fromkeys(self.errors))  # (each failed pass reports the same dead server)
         lines = "; ".join(unique[:5]) + (f"; ... ({len(unique)} errors)" if len(unique) > 5 else "")
+        target = "<an existing run id>" if self.bad_run else self.run_id
         err = (TrackingUnreachableError if self.unreachable else TrackingError)(
             f"MLflow upload to run {self.run_id!r} failed: {lines}. Local files are complete; "
-            f"upload later with `hookline sync {where} --run-id {self.run_id}`"
+            f"upload later with `hookline sync {where} --run-id {target}`"
         )
         err.report = self  # type: ignore[attr-defined]
         return err
@@ -568,7 +582,7 @@ class MlflowAdapter:
         """The :class:`mlflow.MlflowClient` (created on first use)."""
         with self._client_lock:
             if self._client_obj is None:
-                self._client_obj = _client(self.tracking_uri)
+                self._client_obj = connect(self.tracking_uri)
             return self._client_obj
 
     def log_run_dir(self, run_dir: str | os.PathLike, *, artifacts: bool = True) -> SyncReport:
@@ -722,7 +736,8 @@ class MlflowAdapter:
                 with self._pass_lock:
                     rep = self._pass(run_dir, up)
             except BaseException as e:  # noqa: BLE001 - reported, never raised into training
-                rep = SyncReport(self.run_id, errors=[f"{run_dir}: {_short(e)}"])
+                rep = SyncReport(self.run_id, errors=[f"{run_dir}: {_short(e)}"],
+                                 bad_run=isinstance(e, (UnknownNameError, DuplicateNameError)))
             with self._cond:
                 errors, rep.errors = rep.errors, []
                 self._report.merge(rep)
@@ -981,6 +996,7 @@ def sync(run_dir: str | os.PathLike, run_id: str, *, tracking_uri: str | None = 
     """
     adapter = MlflowAdapter(run_id, tracking_uri=tracking_uri, rank=rank)
     try:
+        adapter._client_obj = connect(tracking_uri, existing=True)
         _get_run(adapter.client, run_id)  # clear error for an unknown id before anything else
         path = Path(run_dir)
         adapter._remember(path)
@@ -1157,6 +1173,6 @@ def mlflow_source(uri: str, *, tracking_uri: str | None = None,
         TrackingError: if MLflow cannot be reached.
     """
     run_id, root, tu = parse_run_uri(uri, tracking_uri)
-    client = _client(tu)
+    client = connect(tu, existing=True)
     _get_run(client, run_id)
     return MlflowSource(run_id, root, client, _cache_base(cache_dir) / run_id)

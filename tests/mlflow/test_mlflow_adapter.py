@@ -276,6 +276,17 @@ def test_unknown_run_and_missing_dir_errors(store, tmp_path):
         mlflow_source(f"runs:/{bad}", tracking_uri=store)
     with pytest.raises(UnknownNameError, match="nowhere"):
         MlflowAdapter(bad, tracking_uri=store).log_run_dir(tmp_path / "nowhere")
+    # In the background (a Recorder's adapter): the repair hint names another run, not this one
+    adapter = MlflowAdapter(bad, tracking_uri=store)
+    adapter.submit(built.path)
+    with pytest.raises(TrackingError, match="--run-id <an existing run id>") as ei:
+        adapter.close(timeout=60)
+    assert f"--run-id {bad}" not in str(ei.value)
+    if store.startswith("sqlite:///"):  # a typo in a sqlite path is not a new, empty store
+        typo = store.replace("mlflow.db", "mlflw.db")
+        with pytest.raises(InvalidArgumentError, match="no MLflow store"):
+            sync(built.path, bad, tracking_uri=typo)
+        assert not Path(typo[len("sqlite:///"):]).exists()
 
 
 def test_source_of_unsynced_run_says_how_to_fix(store, new_run):
