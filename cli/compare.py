@@ -13,6 +13,7 @@ from .options import (
     echo_json,
     esc,
     plain,
+    print_table,
     fmt_num,
     json_option,
     open_run_arg,
@@ -89,6 +90,15 @@ def metric_cell(r: Any, metric: str) -> str:
 HEADERS = {"cosine": "cosine\nmean/min", "rel_l2": "rel_l2\nmean/max", "norm_ratio": "norm_ratio\nmean/extreme"}
 
 
+def _plain_status(r: Any) -> str:
+    from rich.text import Text
+
+    text = _STATUS_TEXT.get(r.status, esc(r.status))
+    if r.status == "ok" and r.mismatched:
+        text = f"ok, {r.mismatched} skipped"
+    return Text.from_markup(text).plain
+
+
 def render_table(results: Sequence[Any], metrics: Sequence[str], *, title: str | None = None) -> None:
     from rich import box
     from rich.table import Table
@@ -101,7 +111,8 @@ def render_table(results: Sequence[Any], metrics: Sequence[str], *, title: str |
         table.add_column(HEADERS[m], justify="right", no_wrap=True)
     with_status = any(r.status != "ok" or r.mismatched for r in results)
     if with_status:
-        table.add_column("status", overflow="fold", min_width=6)
+        # (as wide as the longest status: rich dropped the end of a folded "shape mismatch")
+        table.add_column("status", overflow="fold", min_width=max(len(_plain_status(r)) for r in results))
     for r in results:
         missing = r.status in ("missing_in_a", "missing_in_b", "unreadable", "no_records")
         cells = [plain(r.handle), plain(r.field or "-"), "-" if missing else str(len(r.steps))]
@@ -112,7 +123,7 @@ def render_table(results: Sequence[Any], metrics: Sequence[str], *, title: str |
         if with_status:
             cells.append(status)
         table.add_row(*cells)
-    console().print(table)
+    print_table(table)
 
 
 def render_problems(results: Sequence[Any], metrics: Sequence[str] = METRIC_CHOICES) -> None:

@@ -99,6 +99,29 @@ def console(stderr: bool = False):
     return Console(stderr=stderr, width=width, highlight=False, soft_wrap=False)
 
 
+def print_table(table: Any) -> None:
+    """Print a rich table without cutting cells: rich cuts no-wrap columns (numbers, statuses)
+    at the console's edge when they do not fit next to the folding columns' minimum widths. The
+    table is then laid out at the width they need (the terminal wraps the lines instead; folding
+    columns such as handle ids still fold)."""
+    from rich.console import Console
+    from rich.measure import Measurement
+
+    c = console()
+    opts = c.options.update_width(10_000)
+    pad = getattr(table, "_get_padding_width", lambda i: 2)  # rich's own layout (private API)
+    need = getattr(table, "_extra_width", 0)
+    for i, col in enumerate(table.columns):
+        if col.no_wrap:
+            need += max(Measurement.get(c, opts, cell).maximum for cell in (col.header, *col.cells))
+        else:
+            need += max(col.min_width or 1, max(len(line) for line in str(col.header).splitlines() or [""]))
+        need += pad(i) + 1  # (+1: rich rounds column shares down)
+    if need > c.width:
+        c = Console(width=need, highlight=False, soft_wrap=False)
+    c.print(table)
+
+
 def plain(value: Any):
     """A table cell / print argument shown verbatim (no rich markup: handle ids contain [...])."""
     from rich.text import Text

@@ -16,6 +16,7 @@ from .options import (
     echo_json,
     esc,
     plain,
+    print_table,
     fmt_num,
     human_bytes,
     json_option,
@@ -239,7 +240,7 @@ def _print_run(run: str, infos: list[dict], status: str | None = None, meta: dic
                 _steps_text(i) if first else "",
                 human_bytes(i["bytes"]) if first else "",
             )
-    console().print(table)
+    print_table(table)
 
 
 def _steps_text(i: dict) -> str:

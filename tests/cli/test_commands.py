@@ -242,6 +242,21 @@ def test_sync_errors_are_said_once(cli_runner, runs, tmp_path, sqlite_tracking_u
     assert res.stderr.strip().splitlines()[-1].startswith("Error: 1 sync error(s)")
 
 
+@pytest.mark.parametrize("columns", ["60", "40"])
+def test_narrow_terminals_cut_no_cell(cli_runner, runs, columns):
+    """(At 80 columns "shape mismatch" lost its end; at 60 the norm ratios and bytes were cut.)"""
+    d = json.loads(ok(cli_runner, "compare", runs["a"], runs["b"], "--json").stdout)
+    res = cli_runner.invoke(cli, ["compare", str(runs["a"]), str(runs["b"])], env={"COLUMNS": columns})
+    for r in d["results"]:
+        for m in ("cosine", "rel_l2"):
+            s = r["summary"][m]
+            assert f"{s['mean']:.3g}"[:4] in res.stdout
+    res = cli_runner.invoke(cli, ["compare", str(runs["a"]), str(runs["wide"])], env={"COLUMNS": columns})
+    assert "shape mismatch" in res.stdout
+    res = cli_runner.invoke(cli, ["show", str(runs["a"])], env={"COLUMNS": columns})
+    assert res.stdout.count(" KB") + res.stdout.count(" MB") >= 1 + len(open_run(runs["a"]).handles)
+
+
 # ----------------------------------------------------------------------------- export
 def test_export_npy_csv_h5(cli_runner, runs, tmp_path):
     f = open_run(runs["a"])["grads[fc1]"]["grad_out.0"]
