@@ -507,6 +507,7 @@ def test_blocks_shrink_to_one_chunk_when_many_handles_share_the_budget(tmp_path)
     for model, cap in ((few, 64), (many, 16)):  # 64 KiB records: 16 per 1 MiB chunk
         mgr = HookManager()
         rec = Recorder(tmp_path / f"run{cap}", max_buffer_mb=256)  # 64 MiB for open blocks
+        rec._packer.max_age_s = float("inf")  # sizes only: no hand-over by age on a slow machine
         mgr.register_forward_hook(rec.outputs, **dict(model.named_children()))
         assert rec._packer.handles == len(model)
         handed_over_partly = []
@@ -529,11 +530,12 @@ def test_partly_filled_blocks_reach_the_writer_at_the_next_step_once_stale(tmp_p
     model = nn.Linear(4, 8)  # tiny records: a block would hold 256 of them
     mgr = HookManager()
     rec = Recorder(tmp_path / "run")
+    rec._packer.max_age_s = 3600.0  # (not stale however slow the machine)
     mgr.register_forward_hook(rec.outputs, lin=model)
     with rec.step(0):
         model(torch.randn(2, 4))
     rec.set_step(1)
-    assert rec.summary().records == 0  # still in its block: younger than MAX_AGE_S
+    assert rec.summary().records == 0  # still in its block: younger than max_age_s
     rec._packer.max_age_s = 0.0
     with rec.step(2):
         model(torch.randn(2, 4))
