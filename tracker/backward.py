@@ -49,6 +49,7 @@ _Tensor = torch.Tensor
 _queue_callback = torch.autograd.Variable._execution_engine.queue_callback
 _graph_task_id = torch._C._current_graph_task_id
 _set_versions = torch._C._autograd._unsafe_set_version_counter
+_functorch_active = torch._C._are_functorch_transforms_active
 _unwrap_if_dead = torch._C._functorch.unwrap_if_dead
 _is_compiling = torch.compiler.is_compiling
 
@@ -72,8 +73,8 @@ class _CallInputs(torch.autograd.Function):
 
 # torch's C ``apply``, bound to _CallInputs: ``Function.apply`` adds a Python layer that is
 # paid inside every training step, where the matmuls have evicted it from the caches. Used only
-# while torch.compile is not tracing (inside functorch transforms backward hooks are off: see
-# dispatch.py), and with what that layer does outside transforms:
+# while no functorch transform is active and torch.compile is not tracing, and with what that
+# layer does outside transforms:
 # tensors that escaped a finished transform (dead wrappers) are unwrapped first (else the
 # gradient of whatever they came from is silently lost).
 _call_inputs_apply = torch._C._FunctionBase.__dict__["apply"].__get__(None, _CallInputs)
@@ -149,94 +150,13 @@ class PendingInputs:
             return outputs
         return Leaves([swap.get(id(o), o) for o in outputs], outputs.paths, outputs.skipped)
 
-    def rebind_views(self, watched: Leaves, returned: Leaves) -> tuple[Leaves, Leaves]:
-        """Turn outputs that alias an input (``nn.Identity``, ``nn.Flatten``, eval ``Dropout``)
-        into views of the caller's own tensor.
-
-        The module saw an alias of the caller's tensor, so its output is a view of that alias:
-        an in-place op on the output after the call would not reach the history of the caller's
-        tensor (and one on the caller's tensor would not reach the output's), and gradients
-        through later uses of either would be silently wrong. A view of the caller's tensor
-        with the same geometry puts both into one autograd view family, as without hooks. Its
-        gradient no longer passes through the identity node, so the call adds it to
-        ``grad_in`` itself (:meth:`BackwardCall._fire`).
-
-        Returns:
-            ``(watched, returned)``: the outputs to put tensor hooks on and the outputs to give
-            the caller, each with such outputs replaced.
-        """
-        aliases = self.aliases
-        if len(returned) == 1 and len(aliases) == 1:  # the common case: one test, no loop
-            o = returned[0]
-            if o._base is not aliases[0] and o is not aliases[0]:
-                return watched, returned
-        elif not any(o._base is not None or any(o is a for a in aliases) for o in returned):
-            return watched, returned
-        if _is_compiling():
-            return watched, returned  # (as_strided views are not traced there: keep the alias)
-        call = self.call
-        new: dict[int, _Tensor] = {}  # id(output) -> view of the caller's tensor
-        for o in returned:
-            if id(o) in new or not isinstance(o, _Tensor):
-                continue
-            base = o if o._base is None else o._base
-            for k, a in enumerate(aliases):
-                if base is a:
-                    t = self.inputs[k]
-                    view = _view_like(t, o)
-                    if view is not None:
-                        new[id(o)] = view
-                        if t._version == self.versions[k]:
-                            # Unmodified input: the gradient reaches t without the identity node.
-                            call.add_view(view, call.in_index[k], t, o)
-                    break
-        if not new:
-            return watched, returned
-
-        def swap(leaves: Leaves) -> Leaves:
-            return Leaves([new.get(id(o), o) for o in leaves], leaves.paths, leaves.skipped)
-
-        return swap(watched), swap(returned)
-
-
-def _view_like(t: _Tensor, o: _Tensor) -> _Tensor | None:
-    """``o``'s geometry as a view of ``t`` (which shares ``o``'s memory), or None when that view
-    cannot carry the gradient exactly (another dtype, memory that overlaps itself)."""
-    if o.dtype != t.dtype or o.device != t.device or type(o) is not _Tensor or type(t) is not _Tensor:
-        return None
-    if _extent(t.size(), t.stride()) is None or _extent(o.size(), o.stride()) is None:
-        return None
-    return t.as_strided(o.size(), o.stride(), o.storage_offset())
-
-
-def _extent(size: Sequence[int], stride: Sequence[int]) -> int | None:
-    """Elements spanned by a strided layout, or None if some element is reached twice."""
-    span = 1
-    for n, st in sorted(((n, st) for n, st in zip(size, stride) if n != 1), key=lambda d: d[1]):
-        if n == 0:
-            return 0
-        if st < span:
-            return None
-        span = st * (n - 1) + span
-    return span
-
-
-def _scatter_grad(grad: _Tensor, t_geom: tuple, o_geom: tuple) -> _Tensor:
-    """The gradient w.r.t. ``t`` of a view of ``t`` with ``o``'s geometry that received ``grad``
-    (both layouts non-overlapping; offsets relative to ``t``'s)."""
-    t_size, t_stride, extent = t_geom
-    o_size, o_stride, offset = o_geom
-    flat = grad.new_zeros(max(extent, 1))
-    flat.as_strided(o_size, o_stride, offset).copy_(grad)
-    return flat.as_strided(t_size, t_stride, 0)
-
 
 class BackwardCall:
     """Gradients of one module call in one backward pass, and the firing of its hooks."""
 
     __slots__ = (
         "module", "handles", "in_index", "in_paths", "in_skipped", "out_paths", "out_skipped",
-        "expected", "grad_in", "grad_out", "seen", "task", "fired", "views", "views_seen", "got_in", "view_in",
+        "expected", "grad_in", "grad_out", "seen", "task", "fired",
     )
 
     def __init__(self, module: nn.Module, handles: tuple[HookHandle, ...], inputs: Leaves) -> None:
@@ -256,12 +176,6 @@ class BackwardCall:
         self.seen = 0
         self.task = -1  # id of the backward pass (autograd graph task) the state belongs to
         self.fired = False
-        # Outputs that are views of an unmodified input (see PendingInputs.rebind_views):
-        # id(view) -> (input position, t's geometry, the view's geometry relative to t's).
-        self.views: dict[int, tuple[int, tuple, tuple]] | None = None
-        self.views_seen = 0
-        self.got_in = False
-        self.view_in: dict[int, _Tensor] = {}  # input position -> gradient through view outputs
 
     # --- forward ---------------------------------------------------------------------------
     def wrap_inputs(self, inputs: Leaves) -> tuple[Leaves, PendingInputs | None]:
@@ -269,7 +183,7 @@ class BackwardCall:
         if not self.in_index:
             return inputs, None
         originals = [inputs[i] for i in self.in_index]
-        if _is_compiling():  # torch.compile traces Function.apply
+        if _functorch_active() or _is_compiling():  # torch.compile traces Function.apply
             aliases = _CallInputs.apply(self, *originals)
         else:
             aliases = _call_inputs_apply(self, *[_unwrap_if_dead(t) for t in originals])
@@ -282,7 +196,7 @@ class BackwardCall:
         """Register one tensor hook per distinct grad-requiring, non-leaf output tensor."""
         self.out_paths = outputs.paths
         self.out_skipped = outputs.skipped
-        if len(outputs) == 1 and self.views is None:  # the common case, without bookkeeping
+        if len(outputs) == 1:  # the common case, without the bookkeeping of repeated tensors
             if outputs[0].grad_fn is not None:
                 _watch(outputs[0], partial(self._on_grad_out, _ONE))
                 self.expected = 1
@@ -296,31 +210,9 @@ class BackwardCall:
                 else:
                     positions[id(t)] = [i]
                     tensors.append(t)
-        views = self.views or {}
         for t in tensors:
-            view = views.get(id(t))
-            if view is None:
-                _watch(t, partial(self._on_grad_out, positions[id(t)]))
-            else:
-                _watch(t, partial(self._on_view_grad, positions[id(t)], view))
+            _watch(t, partial(self._on_grad_out, positions[id(t)]))
         self.expected = len(tensors)
-
-    def add_view(self, view: _Tensor, position: int, t: _Tensor, o: _Tensor) -> None:
-        """Note that output ``view`` (made from the module's ``o``) is a view of input ``t``
-        (at input ``position``), whose gradient the call adds to ``grad_in`` itself."""
-        if self.views is None:
-            self.views = {}
-        extent = _extent(t.size(), t.stride())
-        self.views[id(view)] = (position, (t.size(), t.stride(), extent),
-                                (o.size(), o.stride(), o.storage_offset() - t.storage_offset()))
-        if t.grad_fn is not None:
-            # An in-place op on the view (or on t) after the call takes the view's own node out
-            # of the graph, and its hook never fires; t's node still runs then (the modified
-            # history leads back to it): it enrols the call, which fires at the end of the pass.
-            t.grad_fn.register_prehook(self._enrol)
-
-    def _enrol(self, grads: Any) -> None:
-        self._in_pass()
 
     # --- backward --------------------------------------------------------------------------
     def _in_pass(self) -> bool:
@@ -332,10 +224,6 @@ class BackwardCall:
             self.seen = 0
             self.grad_in = [None] * len(self.in_paths)
             self.grad_out = [None] * len(self.out_paths)
-            if self.views is not None:
-                self.views_seen = 0
-                self.got_in = False
-                self.view_in = {}
             _end_of_pass(task).append(self)
         return not self.fired
 
@@ -352,32 +240,10 @@ class BackwardCall:
         if self._in_pass():
             for i, g in zip(self.in_index, grads):
                 self.grad_in[i] = g  # type: ignore[index]
-            self.got_in = True
-            if self.views is None or self.views_seen == len(self.views):
-                self._fire()
-
-    def _on_view_grad(self, positions: list[int], view: tuple[int, tuple, tuple], grad: _Tensor) -> None:
-        if self._in_pass():
-            for i in positions:
-                self.grad_out[i] = grad  # type: ignore[index]
-            position, t_geom, o_geom = view
-            g = _scatter_grad(grad, t_geom, o_geom)
-            prev = self.view_in.get(position)
-            self.view_in[position] = g if prev is None else prev + g
-            self.seen += 1
-            self.views_seen += 1
-            # Fire once every view got its gradient and, unless every output is a view (then
-            # nothing passes through the identity node), the identity node delivered too.
-            if self.views_seen == len(self.views) and (self.got_in or self.expected == self.views_seen):  # type: ignore[arg-type]
-                self._fire()
+            self._fire()
 
     def _fire(self) -> None:
         self.fired = True
-        if self.view_in:
-            for i, g in self.view_in.items():
-                prev = self.grad_in[i]  # type: ignore[index]
-                self.grad_in[i] = g if prev is None else prev + g  # type: ignore[index]
-            self.view_in = {}
         grad_in = Leaves(self.grad_in, self.in_paths, self.in_skipped)  # type: ignore[arg-type]
         grad_out = Leaves(self.grad_out, self.out_paths, self.out_skipped)  # type: ignore[arg-type]
         self.grad_in = self.grad_out = None

@@ -104,6 +104,16 @@ class ModuleHooks:
             self._torch_fwd.remove()
             self._torch_fwd = None
 
+    def close(self) -> None:
+        """Remove the torch hooks now, calls in flight or not (the manager let go of the module;
+        a forward interrupted by KeyboardInterrupt never returns to pop its state)."""
+        self.pre = self.fwd = self.bwd = ()
+        self._pending.clear()
+        for h in (self._torch_pre, self._torch_fwd):
+            if h is not None:
+                h.remove()
+        self._torch_pre = self._torch_fwd = None
+
     # --- torch hooks -----------------------------------------------------------------------
     def _pre_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         bwd = self.bwd
@@ -132,10 +142,13 @@ class ModuleHooks:
 
     def _forward_hook(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
         entry = self._pending.pop() if self._pending else None
+        if output is None and _forward_raised():
+            # torch calls always_call hooks only to let them clean up. (No deferred removal
+            # here: torch's handler iterates the module's hook dict itself; the next call or
+            # close() removes the hook.)
+            return None
         if not self._pending and not (self.fwd or self.bwd) and self._torch_fwd is not None:
             self._sync()  # deactivated while this call ran: the deferred removal
-        if output is None and _forward_raised():
-            return None  # torch calls always_call hooks only to let them clean up
         leaves: Leaves | None = None
         replaced = False
         if self.fwd:
@@ -153,7 +166,6 @@ class ModuleHooks:
             rebased = leaves
             if isinstance(entry, PendingInputs):
                 rebased = entry.rebase_modified(leaves)
-                leaves, rebased = entry.rebind_views(leaves, rebased)
                 entry = entry.call
             # hooks go on the aliases: all gradient for the module's result flows into them
             entry.watch_outputs(leaves)

@@ -277,6 +277,7 @@ class HookManager:
             name = self.module_to_name.pop(module, None)
             self.name_to_module.pop(name, None)  # type: ignore[arg-type]
             del self._slots[module]
+            slot.close()
             _release_name(module, id(self))
         elif slot is not None:
             slot.registered -= 1

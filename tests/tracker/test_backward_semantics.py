@@ -501,6 +501,41 @@ def test_toggled_off_and_on_during_its_own_forward_keeps_its_outputs(mgr):
     torch.testing.assert_close(go[0], 2 * y.detach())
 
 
+def test_a_raising_forward_keeps_its_error_when_its_hook_was_turned_off_in_the_call(mgr):
+    """The deferred removal of the torch hook must not run inside torch's exception handler,
+    which iterates the module's hook dict (the caller got 'OrderedDict mutated during
+    iteration' instead of the forward's own error)."""
+
+    class Fails(nn.Module):
+        def forward(self, x):
+            raise ValueError("the forward's own error")
+
+    m = Fails()
+    mgr.register_backward_hook(lambda *a: None, hook_fn_name="bw", m=m)
+    mgr.register_forward_pre_hook(lambda mod, i: mgr.deactivate_hook_by_name("bw[m]"), hook_fn_name="once", m=m)
+    other = HookManager()
+    other.register_forward_hook(lambda mod, i, o: None, m2=m)  # a torch hook after ours
+    with pytest.raises(ValueError, match="the forward's own error"):
+        m(torch.randn(2, requires_grad=True))
+    other.remove_all_hooks()
+
+
+def test_remove_all_hooks_after_an_interrupted_forward_leaves_no_torch_hook(mgr):
+    """KeyboardInterrupt skips torch's always-call hooks, so the call's state is never popped;
+    removing the hooks must still take the torch hooks (and the state holding the input) off."""
+
+    class Interrupted(nn.Module):
+        def forward(self, x):
+            raise KeyboardInterrupt
+
+    m = Interrupted()
+    mgr.register_backward_hook(lambda *a: None, m=m)
+    with pytest.raises(KeyboardInterrupt):
+        m(torch.randn(2, 4, requires_grad=True))
+    mgr.remove_all_hooks()
+    assert not m._forward_hooks and not m._forward_pre_hooks
+
+
 def test_a_failed_pass_does_not_break_the_next_one(mgr):
     lin = nn.Linear(3, 3)
     calls = []
