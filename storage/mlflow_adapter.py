@@ -178,7 +178,7 @@ def connect(tracking_uri: str | None, *, existing: bool = False) -> Any:
             seconds (default 10).
     """
     if existing and tracking_uri and tracking_uri.startswith("sqlite:///"):
-        db = tracking_uri[len("sqlite:///"):]
+        db = tracking_uri[len("sqlite:///"):].split("?", 1)[0]  # (sqlite:///x.db?timeout=20)
         if db and not os.path.exists(db):
             raise InvalidArgumentError(
                 f"no MLflow store at tracking URI {tracking_uri!r}: {str(Path(db).absolute())!r} does not "
@@ -208,20 +208,40 @@ def check_reachable(uri: str, timeout: float | None = None) -> None:
     Other stores (sqlite, files, databases) are not checked."""
     if not uri.startswith(("http://", "https://")):
         return
+    import ssl
     import urllib.error
+    import urllib.parse
     import urllib.request
 
     if timeout is None:
-        timeout = float(os.environ.get("HOOKLINE_MLFLOW_TIMEOUT") or REACH_TIMEOUT_S)
+        raw = os.environ.get("HOOKLINE_MLFLOW_TIMEOUT") or str(REACH_TIMEOUT_S)
+        try:
+            timeout = float(raw)
+        except ValueError:
+            timeout = -1.0
+        if not 0 < timeout < float("inf"):
+            raise InvalidArgumentError(
+                f"HOOKLINE_MLFLOW_TIMEOUT must be a positive number of seconds, got {raw!r}")
+    parts = urllib.parse.urlsplit(uri)
+    # (credentials in the URI are MLflow's business: the probe needs only the host)
+    netloc = parts.hostname or ""
+    if ":" in netloc:
+        netloc = f"[{netloc}]"
+    if parts.port:
+        netloc += f":{parts.port}"
+    url = urllib.parse.urlunsplit((parts.scheme, netloc, parts.path.rstrip("/") + "/health", "", ""))
     try:
-        with urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=timeout) as resp:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
             resp.read(64)
     except urllib.error.HTTPError:
         return  # an answer (401, 404 behind a proxy...): the server is there
     except (OSError, ValueError) as e:  # URLError, refused, timed out, unresolvable, bad URL
         reason = getattr(e, "reason", None) or e
+        if isinstance(reason, (ssl.SSLError, ssl.CertificateError)):
+            return  # it answered the TLS handshake (MLflow has its own certificate settings)
+        shown = urllib.parse.urlunsplit((parts.scheme, netloc, parts.path, "", ""))  # (no password)
         raise TrackingUnreachableError(
-            f"cannot reach the MLflow tracking server at {uri!r} ({reason}; waited up to {timeout:g} s): "
+            f"cannot reach the MLflow tracking server at {shown!r} ({reason}; waited up to {timeout:g} s): "
             "start it, or pass the right tracking URI (tracking_uri=... / --tracking-uri / "
             "MLFLOW_TRACKING_URI); recorded files stay on disk, `hookline sync` uploads them later"
         ) from e
@@ -453,7 +473,9 @@ def _check_origin(run_id: str, run_dir: Path, manifests: list, tags_now: dict[st
     tags = {}
     for _, man in manifests:
         key = _origin_key(man.get("rank"))
-        mine = str(man.get("run_uuid") or man.get("created", ""))  # (runs before run_uuid: created)
+        mine = str(man.get("run_uuid") or man.get("created") or "")  # (runs before run_uuid: created)
+        if not mine:
+            continue  # identity unknown (a manifest rebuilt from old files): neither checked nor set
         have = tags_now.get(key)
         if have is not None and have != mine:
             raise DuplicateNameError(

@@ -79,13 +79,6 @@ def _synthesise_manifests(root: Path, strict: bool = True) -> list[dict[str, Any
         FormatError: (``strict``) ``root`` holds other runs (e.g. the demo's folder of two runs),
             or no hookline file at all: it is not a run directory.
     """
-    nested = sorted({p.parent for p in root.rglob("*.json") if _MANIFEST.fullmatch(p.name)} - {root})
-    if nested and strict:
-        names = [str(p.relative_to(root)) for p in nested]
-        raise FormatError(
-            f"{str(root)!r} is not a run directory (no manifest.json) but contains runs: "
-            f"{_names_hint(names, 10)}; pass one of them"
-        )
     by_rank: dict[tuple[int, int], dict[str, Any]] = {}
     for p in sorted(list(root.rglob("*.h5")) + list(root.rglob("*.h5seg"))):
         try:
@@ -102,6 +95,9 @@ def _synthesise_manifests(root: Path, strict: bool = True) -> list[dict[str, Any
             "format": RUN_FORMAT, "format_version": FORMAT_VERSION, "status": "unknown",
             "rank": None if rank < 0 else rank, "world_size": None if ws < 0 else ws,
             "meta": _run_meta(a), "handles": {}})
+        for k in ("run_uuid", "run_created"):  # the run's identity (files of this version on)
+            if a.get(k) and not m.get(k.replace("run_created", "created")):
+                m[k.replace("run_created", "created")] = str(a[k])
         hid = str(a["handle_id"])
         m["handles"].setdefault(hid, {
             "key": str(a["key"]), "file": f"{a['key']}{rank_suffix(m['rank'], m['world_size'])}.h5",
@@ -109,6 +105,14 @@ def _synthesise_manifests(root: Path, strict: bool = True) -> list[dict[str, Any
             "category": str(a.get("category", "")), "hook_fn_name": str(a.get("hook_fn_name", "")),
             "meta": json.loads(a.get("meta", "{}")), "fields": {}})
     if not by_rank and strict:
+        nested = sorted({p.parent for p in root.rglob("*.json") if _MANIFEST.fullmatch(p.name)
+                         and ".quarantine" not in p.relative_to(root).parts} - {root})
+        if nested:
+            names = [str(p.relative_to(root)) for p in nested]
+            raise FormatError(
+                f"{str(root)!r} is not a run directory (no manifest.json) but contains runs: "
+                f"{_names_hint(names, 10)}; pass one of them"
+            )
         raise FormatError(
             f"{str(root)!r} is not a hookline run directory: it has no manifest.json and no hookline "
             "handle files (a run directory is what a Recorder or RunWriter was given)"
@@ -261,6 +265,7 @@ class Handle:
         #: Files that could not be read (they are skipped; ``hookline verify`` reports/repairs).
         self.problems: list[str] = []
         self._refs: list[_Ref] = []
+        self._damaged: list[str] = []
         src = run.source
         for m, e in entries:
             rank = m.get("rank")
@@ -268,6 +273,7 @@ class Handle:
                 d = src.discover(e["key"], rank_suffix(rank, m.get("world_size")))
                 self.gaps.extend((rank, a, b) for a, b in d.gaps)
                 self._refs.extend(_Ref(src, f.name, rank, run.files) for f in d.cover)
+                self._damaged.extend(rel for rel, _ in d.broken)  # (still bytes on disk)
             elif e.get("records", 1) or e.get("file"):
                 self._refs.append(_Ref(src, e["file"], rank, run.files))
         self._files = list(self._refs)  # (_refs keeps the readable ones once loaded)
@@ -320,9 +326,9 @@ class Handle:
         if not isinstance(self.run.source, LocalSource):
             return None
         total = 0
-        for r in self._files:
+        for rel in [r.rel for r in self._files] + self._damaged:
             try:
-                total += os.path.getsize(r.source.path(r.rel))
+                total += os.path.getsize(self.run.source.path(rel))
             except OSError:
                 return None
         return total

@@ -317,7 +317,8 @@ def _verify_handle(run_dir: Path, m: dict, hid: str, entry: dict, suffix: str, r
         _merge_handle(run_dir, good, final_rel, hid, entry, m, hr, suffix)
         hr.problems = [p for p in hr.problems if not p.startswith("records [")]
         for fe in d.superseded:
-            _remove_if_contained(run_dir, fe.name, hr, report)
+            if fe.name != final_rel:  # (the merge just replaced that file with the merged one)
+                _remove_if_contained(run_dir, fe.name, hr, report)
     if repair:
         entry["records"] = hr.records
         fields = entry.setdefault("fields", {})

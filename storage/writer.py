@@ -356,7 +356,8 @@ class RunWriter:
             try:
                 old = read_manifest(self._manifest_path)
                 self._created = old.get("created", self._created)
-                self._uuid = old.get("run_uuid") or self._uuid
+                # (runs written before run_uuid existed are known by their creation time)
+                self._uuid = old.get("run_uuid") or old.get("created") or self._uuid
                 self._old_handles = dict(old.get("handles", {}))
             except Exception:
                 pass  # verify() reports broken manifests; we rewrite it
@@ -937,6 +938,7 @@ class RunWriter:
             "world_size": np.int64(-1 if self.world_size is None else self.world_size),
             "hookline_version": hookline_version(), "meta": json.dumps(i["meta"]),
             "run_meta": json.dumps(self.meta, default=str), "created": now_iso(),
+            "run_uuid": self._uuid, "run_created": self._created,  # (a lost manifest is rebuilt)
         }
 
     def _stage(self, h: _Handle, steps: list[int], calls: list[int],

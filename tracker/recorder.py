@@ -7,6 +7,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -221,12 +222,13 @@ class Recorder:
         self.grads = CaptureHook(self, CaptureOptions("grads"))
         # Close at interpreter exit so buffered data reaches the disk (weakly: no leak).
         self._atexit = weak_closer(self, _log_exit_error)
+        self._exit_timeout: float | None = None  # the MLflow upload's limit when closed at exit
         if self._mlflow is not None:
             from hookline.storage.mlflow_adapter import at_exit_before_executors
 
             # Before the adapters' own exit hook (which would find the writer still open and
             # upload no files) and while thread pools still work.
-            at_exit_before_executors(self._atexit)
+            at_exit_before_executors(_exit_closer(self))
         else:
             atexit.register(self._atexit)
 
@@ -480,7 +482,7 @@ class Recorder:
         if self._mlflow is not None:
             self._mlflow.submit(self.run_dir)
             try:
-                self._mlflow.close()  # final sync incl. files; returns when uploads are done
+                self._mlflow.close(self._exit_timeout)  # final sync incl. files; waits for uploads
             except Exception as e:  # reported in the summary, then raised for the caller
                 summary.mlflow_error = str(e)
                 log.error("%s", summary)
@@ -496,6 +498,33 @@ class Recorder:
 
     def __repr__(self) -> str:
         return f"Recorder({str(self.run_dir)!r}, every={self.every}, closed={self._closed})"
+
+
+def _exit_closer(rec: Recorder) -> Any:
+    """The exit hook of a recorder with MLflow (threading's exit hooks run before Python joins
+    the threads that are still running). While another non-daemon thread runs (training in a
+    thread while the main one returned), closing now would cut it off: the recorder is closed
+    after that thread, by ``atexit`` (its files complete; MLflow may be gone by then:
+    ``hookline sync`` uploads later). The MLflow upload waits at most
+    ``$HOOKLINE_MLFLOW_EXIT_TIMEOUT`` seconds (default 120), as the adapters' own exit hook."""
+    ref = weakref.ref(rec)
+    closer = rec._atexit
+
+    def close() -> None:
+        r = ref()
+        if r is None or r._closed:
+            return
+        me = threading.current_thread()
+        if any(t.is_alive() and not t.daemon and t is not me for t in threading.enumerate()):
+            atexit.register(closer)
+            return
+        try:
+            r._exit_timeout = float(os.environ.get("HOOKLINE_MLFLOW_EXIT_TIMEOUT") or 120)
+        except ValueError:
+            r._exit_timeout = 120.0
+        closer()
+
+    return close
 
 
 def _log_exit_error(rec: Recorder, e: Exception) -> None:

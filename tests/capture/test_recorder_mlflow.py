@@ -74,28 +74,51 @@ def test_dead_server_keeps_local_files_and_reports(tmp_path, mlflow_server_facto
     assert len(run.handles) == 4 and all(len(run[h].steps) == 2 for h in run.handles)
 
 
-def test_a_recorder_left_open_at_exit_uploads_its_files(tmp_path, sqlite_tracking_uri):
-    """The recorder closes before the MLflow adapters' exit hook (which found the writer still
-    open and uploaded no file: the run had metrics and no artifacts)."""
+def _script_without_close(tmp_path, uri: str, body: str) -> tuple[MlflowClient, str]:
+    """Run ``body`` in a fresh interpreter after creating ``rec`` (a Recorder with MLflow, its
+    outputs hook on ``m = Linear(4, 2)``), which the script never closes; return the MLflow
+    client and run id."""
     import subprocess
     import sys
 
-    client = MlflowClient(sqlite_tracking_uri)
+    client = MlflowClient(uri)
     run_id = client.create_run(client.create_experiment(f"exit-{tmp_path.name}")).info.run_id
     code = (
-        "import torch\n"
+        "import threading, time, torch\n"
         "from hookline.tracker import HookManager, Recorder\n"
         "m = torch.nn.Linear(4, 2)\n"
-        f"rec = Recorder({str(tmp_path / 'run')!r}, mlflow_run_id={run_id!r}, tracking_uri={sqlite_tracking_uri!r})\n"
-        "HookManager().register_forward_hook(rec.outputs, lin=m)\n"
+        f"rec = Recorder({str(tmp_path / 'run')!r}, mlflow_run_id={run_id!r}, tracking_uri={uri!r})\n"
+        "HookManager().register_forward_hook(rec.outputs, lin=m)\n" + body
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert out.returncode == 0 and "ERROR" not in out.stderr and "Error" not in out.stderr, out.stderr
+    return client, run_id
+
+
+def test_a_recorder_left_open_at_exit_uploads_its_files(tmp_path, sqlite_tracking_uri):
+    """The recorder closes before the MLflow adapters' exit hook (which found the writer still
+    open and uploaded no file: the run had metrics and no artifacts)."""
+    client, run_id = _script_without_close(tmp_path, sqlite_tracking_uri, (
         "for step in range(5):\n"
         "    with rec.step(step):\n"
         "        m(torch.randn(3, 4))\n"
         "rec.flush()\n"  # (a mid-run pass too) -- and no close(): the exit hooks must finish
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=tmp_path)
-    assert out.returncode == 0 and "ERROR" not in out.stderr, out.stderr
+    ))
     arts = {a.path for a in client.list_artifacts(run_id, "hookline")}
     assert {"hookline/manifest.json", "hookline/outputs"} <= arts, arts
     assert [a.path for a in client.list_artifacts(run_id, "hookline/outputs")] == ["hookline/outputs/lin.h5"]
     assert len(open_run(tmp_path / "run")["outputs[lin]"]) == 5
+
+
+def test_training_in_a_thread_after_main_returned_is_not_cut_off(tmp_path, sqlite_tracking_uri):
+    """The exit hook runs before Python joins the threads still running: it must not close the
+    recorder under a training thread (it raised WriterClosedError there and lost the records)."""
+    _script_without_close(tmp_path, sqlite_tracking_uri, (
+        "def train():\n"
+        "    for step in range(30):\n"
+        "        with rec.step(step):\n"
+        "            m(torch.randn(3, 4))\n"
+        "        time.sleep(0.02)\n"
+        "threading.Thread(target=train).start()\n"  # non-daemon; main returns at once
+    ))
+    assert len(open_run(tmp_path / "run")["outputs[lin]"]) == 30

@@ -62,6 +62,16 @@ def test_show_bytes_are_bytes_on_disk(cli_runner, runs):
         assert h["bytes"] == (runs["a"] / f"{run[h['handle']].key}.h5").stat().st_size
 
 
+def test_show_counts_a_damaged_file_on_disk(cli_runner, runs, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(runs["a"], run)
+    damaged = run / f"{open_run(run)['grads[fc1]'].key}.h5"
+    damaged.write_bytes(damaged.read_bytes()[:5000])
+    res = cli_runner.invoke(cli, ["show", str(run), "--json"])
+    by_id = {h["handle"]: h for h in json.loads(res.stdout)["handles"]}
+    assert by_id["grads[fc1]"]["bytes"] == 5000 and by_id["grads[fc1]"]["records"] == 0
+
+
 def test_show_ragged_field(cli_runner, runs):
     assert "ragged" in ok(cli_runner, "show", runs["ragged_a"]).stdout
     d = json.loads(ok(cli_runner, "show", runs["ragged_a"], "--json").stdout)

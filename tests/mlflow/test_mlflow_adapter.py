@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -16,6 +17,7 @@ from _mlflow_support import LINEAR, RELU, HandleSpec, append_records, build_run,
 from hookline.storage import InvalidArgumentError, TrackingError, TrackingUnreachableError, UnknownNameError
 from hookline.storage.mlflow_adapter import (
     MlflowAdapter,
+    check_reachable,
     metric_key,
     mlflow_source,
     parse_run_uri,
@@ -388,6 +390,42 @@ def test_unreachable_server_and_bad_uris_are_clear_errors(sqlite_tracking_uri, t
     for bad in ("htp://127.0.0.1:5000",):
         with pytest.raises(InvalidArgumentError, match=re.escape(repr(bad))):
             sync(built.path, rid, tracking_uri=bad)
+    # credentials stay out of the message; a bad timeout setting is named
+    with pytest.raises(TrackingUnreachableError) as ei:
+        check_reachable(dead.replace("http://", "http://user:secret@"))
+    assert "secret" not in str(ei.value) and repr(dead) in str(ei.value)
+    for raw in ("ten", "0"):
+        os.environ["HOOKLINE_MLFLOW_TIMEOUT"] = raw
+        try:
+            with pytest.raises(InvalidArgumentError, match=f"HOOKLINE_MLFLOW_TIMEOUT .* got {raw!r}"):
+                check_reachable(dead)
+        finally:
+            del os.environ["HOOKLINE_MLFLOW_TIMEOUT"]
+
+
+def test_reachability_counts_any_answer(tmp_path):
+    """Any HTTP status, a path prefix, credentials in the URI, and a TLS handshake error (MLflow
+    has its own certificate settings) all mean the server is there."""
+    import http.server
+    import threading
+
+    class Answer(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(401 if "secret" in self.path else 404)
+            self.end_headers()
+
+        def log_message(self, *a):
+            pass
+
+    srv = http.server.HTTPServer(("127.0.0.1", 0), Answer)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        port = srv.server_port
+        for uri in (f"http://127.0.0.1:{port}", f"http://127.0.0.1:{port}/mlflow/", f"http://u:pw@127.0.0.1:{port}",
+                    f"https://127.0.0.1:{port}"):
+            check_reachable(uri)
+    finally:
+        srv.shutdown()
 
 
 def test_a_second_run_directory_is_refused_by_a_synced_run(sqlite_tracking_uri, tmp_path):
@@ -423,6 +461,34 @@ def _run_and_writer(uri: str, tmp_path: Path, hid: str):
     w.add_handle(hid, module_name=name[:-1], module_type=LINEAR,
                  category="backward_hook" if kind == "grads" else "forward_hook", hook_fn_name=kind)
     return client, client.create_run("0").info.run_id, w
+
+
+def test_the_same_directory_resyncs_after_repair_and_after_continuing_an_old_run(sqlite_tracking_uri, tmp_path):
+    """A manifest rebuilt by verify --repair keeps the run's identity (from the files), and a
+    run written before run_uuid existed, continued later, is still the same run."""
+    from hookline.storage import RunWriter, verify
+
+    client, rid, w = _run_and_writer(sqlite_tracking_uri, tmp_path, "outputs[m]")
+    for step in range(3):
+        w.write("outputs[m]", step, 0, {"outputs.0": np.full(4, step, np.float32)})
+    w.close()
+    run = tmp_path / "run"
+    assert sync(run, rid, tracking_uri=sqlite_tracking_uri).ok
+    (run / "manifest.json").unlink()
+    assert verify(run, repair=True).ok
+    assert sync(run, rid, tracking_uri=sqlite_tracking_uri).ok  # (was refused as another directory)
+
+    # an old-format run: no run_uuid anywhere; synced, then continued by a writer
+    man = json.loads((run / "manifest.json").read_text())
+    man.pop("run_uuid", None)
+    (run / "manifest.json").write_text(json.dumps(man))
+    rid2 = client.create_run("0").info.run_id
+    assert sync(run, rid2, tracking_uri=sqlite_tracking_uri).ok
+    w = RunWriter(run, fsync=False)
+    w.add_handle("outputs[m]", module_name="m", module_type=LINEAR, category="forward_hook", hook_fn_name="outputs")
+    w.write("outputs[m]", 3, 0, {"outputs.0": np.full(4, 3, np.float32)})
+    w.close()
+    assert sync(run, rid2, tracking_uri=sqlite_tracking_uri).ok
 
 
 def test_summaries_stay_current_when_steps_restart(sqlite_tracking_uri, tmp_path):

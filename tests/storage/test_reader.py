@@ -77,6 +77,13 @@ def test_a_folder_of_runs_is_not_read_as_one_run(tmp_path):
     (tmp_path / "loose" / "copied.h5").write_bytes(src.read_bytes())
     with pytest.raises(FormatError, match="not a hookline run directory"):
         open_run(tmp_path / "loose")
+    # a run that lost its manifest is read from its files, even with a quarantined manifest or a
+    # child run inside it
+    run = tmp_path / "sweep" / "lr0.1"
+    (run / ".quarantine").mkdir()
+    os.replace(run / "manifest.json", run / ".quarantine" / "manifest.json")
+    write_std_run(run / "child", n=1).close()
+    assert len(open_run(run)[HID]) == 2
 
 
 def test_reads_live_and_killed_runs_without_repair(run_dir):

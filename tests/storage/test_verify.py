@@ -94,6 +94,26 @@ def test_a_handle_without_records_is_ok_and_repair_keeps_its_file(run_dir):
     assert len(open_run(run_dir)[HID]) == 0
 
 
+def test_repair_keeps_the_merged_file_when_an_empty_final_file_was_continued(run_dir):
+    """A handle closed without records (empty final file), continued by a writer killed before
+    close: repair merged the segment into the final file and then moved that merged file to
+    quarantine as 'redundant' (the run read empty)."""
+    from hookline.storage import RunWriter
+    from _storage_support import add_std_handles
+
+    write_std_run(run_dir, n=0).close()
+    w = RunWriter(run_dir, fsync=False, merge_on_close=False)
+    add_std_handles(w)
+    for i in range(3):
+        w.write(HID, i, 0, {"outputs.0": record_value(i), "outputs.1": np.arange(2, dtype=np.int64)})
+    w.close()  # segments stay next to the empty final file
+    rep = verify(run_dir, repair=True)
+    assert rep.ok, str(rep)
+    run = open_run(run_dir)
+    assert len(run[HID]) == 3 and np.array_equal(run[HID]["outputs.0"][2], record_value(2))
+    assert verify(run_dir).ok
+
+
 def test_a_handle_whose_every_file_is_damaged_reads_as_empty(run_dir):
     """The rest of the run stays readable (open_run, len() and show raised for the whole run
     when the only segment of one handle was damaged)."""
