@@ -361,6 +361,16 @@ class RunWriter:
                 self._old_handles = dict(old.get("handles", {}))
             except Exception:
                 pass  # verify() reports broken manifests; we rewrite it
+        else:
+            # A run directory continued at another world size (manifest.json -> manifest.rank<r>.json):
+            # still the same run, for the MLflow run it is synced to.
+            for other in sorted(self.run_dir.glob("manifest*.json")):
+                try:
+                    known = read_manifest(other)
+                except Exception:
+                    continue
+                self._uuid = known.get("run_uuid") or known.get("created") or self._uuid
+                break
         self._handles: dict[str, _Handle] = {}
         self._order: list[str] = []
         self._cond = threading.Condition()

@@ -489,6 +489,16 @@ def test_the_same_directory_resyncs_after_repair_and_after_continuing_an_old_run
     w.write("outputs[m]", 3, 0, {"outputs.0": np.full(4, 3, np.float32)})
     w.close()
     assert sync(run, rid2, tracking_uri=sqlite_tracking_uri).ok
+    # recorded by rank 0 of 1, continued by rank 0 of 2 (new per-rank manifests): the same run
+    ddp = tmp_path / "ddp"
+    rid3 = client.create_run("0").info.run_id
+    for step, ws in ((0, 1), (1, 2)):
+        w = RunWriter(ddp, fsync=False, rank=0, world_size=ws)
+        w.add_handle("outputs[m]", module_name="m", module_type=LINEAR, category="forward_hook",
+                     hook_fn_name="outputs")
+        w.write("outputs[m]", step, 0, {"outputs.0": np.full(4, step, np.float32)})
+        w.close()
+        assert sync(ddp, rid3, tracking_uri=sqlite_tracking_uri).ok
 
 
 def test_summaries_stay_current_when_steps_restart(sqlite_tracking_uri, tmp_path):
