@@ -185,9 +185,9 @@ def compare(run_a: str, run_b: str, handles: tuple[str, ...], fields: tuple[str,
         plot = _plot_path(plot)  # checked before the comparison's work
     ra = open_run_arg(run_a, tracking_uri)
     rb = open_run_arg(run_b, tracking_uri)
-    for run, label, r in ((run_a, "RUN_A", rank if rank_a is None else rank_a),
-                          (run_b, "RUN_B", rank if rank_b is None else rank_b)):
-        if r is not None and list((ra if label == "RUN_A" else rb).ranks) == [None]:
+    for run, label, opened, r in ((run_a, "RUN_A", ra, rank if rank_a is None else rank_a),
+                                  (run_b, "RUN_B", rb, rank if rank_b is None else rank_b)):
+        if r is not None and list(opened.ranks) == [None]:
             raise click.UsageError(
                 f"{label} {run!r} is not a distributed run (it has no ranks); --rank, --rank-a and "
                 f"--rank-b apply to runs recorded under torch.distributed")

@@ -121,6 +121,16 @@ def manifest_name(rank: int | None, world_size: int | None) -> str:
     return f"manifest{rank_suffix(rank, world_size)}.json"
 
 
+#: File names of manifests (:func:`manifest_name`); use ``fullmatch``.
+MANIFEST_RE = re.compile(r"manifest(?:\.rank(\d+))?\.json")
+
+
+def run_identity(manifest: dict[str, Any]) -> str:
+    """The run directory's identity: its ``run_uuid`` (runs written before it existed: their
+    creation time), or ``""`` when unknown."""
+    return str(manifest.get("run_uuid") or manifest.get("created") or "")
+
+
 @dataclass(frozen=True)
 class SegmentName:
     """A parsed sealed-segment file name."""

@@ -52,7 +52,15 @@ from typing import Any, Iterable
 
 import numpy as np
 
-from .errors import DuplicateNameError, FormatError, InvalidArgumentError, TrackingError, TrackingUnreachableError, UnknownNameError
+from .errors import (
+    DuplicateNameError,
+    FormatError,
+    InvalidArgumentError,
+    TrackingError,
+    TrackingUnreachableError,
+    UnknownNameError,
+)
+from .format import MANIFEST_RE, run_identity
 from .keys import _esc, handle_key
 
 __all__ = [
@@ -78,7 +86,6 @@ ARTIFACT_ROOT = "hookline"
 _STATS_SUFFIXES = (".mean", ".std", ".min", ".max", ".absmax", ".hist")
 _RUN_ID = re.compile(r"^[0-9a-f]{32}$")
 _METRICS, _FILES, _FINAL = 0, 1, 2  # what a pass does: metrics+tags; + files present; + all files (final)
-_MANIFEST = re.compile(r"^manifest(?:\.rank(\d+))?\.json$")
 
 
 # --------------------------------------------------------------------------------------------
@@ -290,7 +297,7 @@ def _load_manifests(run_dir: Path, rank: int | None) -> list[tuple[Path, dict]]:
         raise UnknownNameError(
             f"run directory {str(run_dir)!r} does not exist: pass the directory a Recorder/RunWriter wrote"
         )
-    found = sorted(p for p in run_dir.iterdir() if _MANIFEST.match(p.name))
+    found = sorted(p for p in run_dir.iterdir() if MANIFEST_RE.fullmatch(p.name))
     if rank is not None:
         ranked = [p for p in found if p.name == f"manifest.rank{int(rank)}.json"]
         found = ranked or [p for p in found if p.name == "manifest.json"]
@@ -473,7 +480,7 @@ def _check_origin(run_id: str, run_dir: Path, manifests: list, tags_now: dict[st
     tags = {}
     for _, man in manifests:
         key = _origin_key(man.get("rank"))
-        mine = str(man.get("run_uuid") or man.get("created") or "")  # (runs before run_uuid: created)
+        mine = run_identity(man)
         if not mine:
             continue  # identity unknown (a manifest rebuilt from old files): neither checked nor set
         have = tags_now.get(key)
@@ -496,8 +503,18 @@ _EXIT_HOOKED = False
 _EXIT_LOCK = threading.Lock()
 
 
+def exit_timeout() -> float:
+    """Seconds the uploads at interpreter exit may take: ``$HOOKLINE_MLFLOW_EXIT_TIMEOUT``,
+    default (and for a value that is not a positive number) 120."""
+    try:
+        t = float(os.environ.get("HOOKLINE_MLFLOW_EXIT_TIMEOUT") or 120)
+    except ValueError:
+        return 120.0
+    return t if t > 0 else 120.0
+
+
 def _close_all_at_exit() -> None:
-    timeout = float(os.environ.get("HOOKLINE_MLFLOW_EXIT_TIMEOUT", "120"))
+    timeout = exit_timeout()
     for adapter in list(_LIVE):
         try:
             report = adapter.close(timeout=timeout, raise_on_error=False)
@@ -1131,7 +1148,7 @@ class MlflowSource:
         Raises:
             FormatError: if the run has no hookline manifest (it was never synced).
         """
-        names = sorted(n for n in self._listing(self.root) if _MANIFEST.match(n))
+        names = sorted(n for n in self._listing(self.root) if MANIFEST_RE.fullmatch(n))
         if not names:
             raise FormatError(
                 f"MLflow run {self.run_id!r} has no {self.root}/manifest.json artifact: it holds no hookline "

@@ -30,12 +30,11 @@ from . import dtypes
 from ._h5file import FileLRU, Part, PartField, check_max_open_files, open_part
 from ._segments import Discovery, discover_files
 from .errors import FormatError, HookTypeError, InvalidArgumentError, RecordIndexError, StorageError, UnknownNameError
-from .format import RUN_FORMAT, FORMAT_VERSION, check_manifest, rank_suffix, read_manifest
+from .format import FORMAT_VERSION, MANIFEST_RE, RUN_FORMAT, check_manifest, rank_suffix, read_manifest
 
 __all__ = ["open_run", "Run", "Handle", "Field", "LocalSource"]
 
 _RUN_ID = re.compile(r"[0-9a-f]{32}")
-_MANIFEST = re.compile(r"manifest(\.rank\d+)?\.json")
 
 
 def _names_hint(names: Sequence[str], limit: int = 30) -> str:
@@ -57,7 +56,7 @@ class LocalSource:
     def manifests(self) -> list[dict[str, Any]]:
         """Parsed manifests (``manifest.json`` / ``manifest.rank<r>.json``); synthesised from the
         files' attributes when there is none."""
-        found = sorted(p for p in self.root.iterdir() if _MANIFEST.fullmatch(p.name))
+        found = sorted(p for p in self.root.iterdir() if MANIFEST_RE.fullmatch(p.name))
         if found:
             return [read_manifest(p) for p in found]
         return _synthesise_manifests(self.root)
@@ -95,9 +94,9 @@ def _synthesise_manifests(root: Path, strict: bool = True) -> list[dict[str, Any
             "format": RUN_FORMAT, "format_version": FORMAT_VERSION, "status": "unknown",
             "rank": None if rank < 0 else rank, "world_size": None if ws < 0 else ws,
             "meta": _run_meta(a), "handles": {}})
-        for k in ("run_uuid", "run_created"):  # the run's identity (files of this version on)
-            if a.get(k) and not m.get(k.replace("run_created", "created")):
-                m[k.replace("run_created", "created")] = str(a[k])
+        for attr, key in (("run_uuid", "run_uuid"), ("run_created", "created")):  # the run's identity
+            if a.get(attr) and key not in m:
+                m[key] = str(a[attr])
         hid = str(a["handle_id"])
         m["handles"].setdefault(hid, {
             "key": str(a["key"]), "file": f"{a['key']}{rank_suffix(m['rank'], m['world_size'])}.h5",
@@ -105,7 +104,7 @@ def _synthesise_manifests(root: Path, strict: bool = True) -> list[dict[str, Any
             "category": str(a.get("category", "")), "hook_fn_name": str(a.get("hook_fn_name", "")),
             "meta": json.loads(a.get("meta", "{}")), "fields": {}})
     if not by_rank and strict:
-        nested = sorted({p.parent for p in root.rglob("*.json") if _MANIFEST.fullmatch(p.name)
+        nested = sorted({p.parent for p in root.rglob("*.json") if MANIFEST_RE.fullmatch(p.name)
                          and ".quarantine" not in p.relative_to(root).parts} - {root})
         if nested:
             names = [str(p.relative_to(root)) for p in nested]
@@ -614,7 +613,7 @@ def open_run(path_or_uri: str | os.PathLike[str], *, tracking_uri: str | None = 
 
         return Run(mlflow_source(s, tracking_uri=tracking_uri, cache_dir=cache_dir), s, max_open_files)
     p = Path(s)
-    if p.is_file() and _MANIFEST.fullmatch(p.name):
+    if p.is_file() and MANIFEST_RE.fullmatch(p.name):
         p = p.parent
     if not p.is_dir():
         raise StorageError(f"no run directory {s!r}: give the directory a RunWriter/Recorder wrote "

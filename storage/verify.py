@@ -31,6 +31,7 @@ from ._h5file import Part, merge_files, open_part
 from ._segments import discover_files
 from .errors import FormatError, StorageError
 from .format import (
+    MANIFEST_RE,
     atomic_write_json,
     final_name,
     fsync_dir,
@@ -40,7 +41,7 @@ from .format import (
     now_iso,
     rank_suffix,
 )
-from .reader import _MANIFEST, LocalSource, _synthesise_manifests
+from .reader import LocalSource, _synthesise_manifests
 
 __all__ = ["verify", "VerifyReport", "HandleReport", "QUARANTINE_DIR"]
 
@@ -206,7 +207,7 @@ def verify(path: str | os.PathLike[str], repair: bool = False) -> VerifyReport:
             f"finish) before verify(repair=True); verify without repair reads a live run safely")
     src = LocalSource(run_dir)
     damage = None
-    if not any(_MANIFEST.fullmatch(p.name) for p in run_dir.iterdir()):
+    if not any(MANIFEST_RE.fullmatch(p.name) for p in run_dir.iterdir()):
         damage = "manifest.json is missing"
         manifests = []
     else:

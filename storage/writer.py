@@ -48,6 +48,7 @@ from .errors import (
     WriterClosedError,
 )
 from .format import (
+    MANIFEST_RE,
     FORMAT_VERSION,
     MAX_STEP,
     RUN_FORMAT,
@@ -63,6 +64,7 @@ from .format import (
     partial_segment_name,
     rank_suffix,
     read_manifest,
+    run_identity,
     segment_name,
 )
 from .keys import handle_key
@@ -356,21 +358,19 @@ class RunWriter:
             try:
                 old = read_manifest(self._manifest_path)
                 self._created = old.get("created", self._created)
-                # (runs written before run_uuid existed are known by their creation time)
-                self._uuid = old.get("run_uuid") or old.get("created") or self._uuid
+                self._uuid = run_identity(old) or self._uuid
                 self._old_handles = dict(old.get("handles", {}))
             except Exception:
                 pass  # verify() reports broken manifests; we rewrite it
         else:
             # A run directory continued at another world size (manifest.json -> manifest.rank<r>.json):
             # still the same run, for the MLflow run it is synced to.
-            for other in sorted(self.run_dir.glob("manifest*.json")):
+            for other in sorted(p for p in self.run_dir.glob("*.json") if MANIFEST_RE.fullmatch(p.name)):
                 try:
-                    known = read_manifest(other)
+                    self._uuid = run_identity(read_manifest(other)) or self._uuid
+                    break
                 except Exception:
                     continue
-                self._uuid = known.get("run_uuid") or known.get("created") or self._uuid
-                break
         self._handles: dict[str, _Handle] = {}
         self._order: list[str] = []
         self._cond = threading.Condition()

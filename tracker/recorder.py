@@ -518,10 +518,9 @@ def _exit_closer(rec: Recorder) -> Any:
         if any(t.is_alive() and not t.daemon and t is not me for t in threading.enumerate()):
             atexit.register(closer)
             return
-        try:
-            r._exit_timeout = float(os.environ.get("HOOKLINE_MLFLOW_EXIT_TIMEOUT") or 120)
-        except ValueError:
-            r._exit_timeout = 120.0
+        from hookline.storage.mlflow_adapter import exit_timeout
+
+        r._exit_timeout = exit_timeout()
         closer()
 
     return close
