@@ -55,6 +55,7 @@ import numpy as np
 from .errors import (
     DuplicateNameError,
     FormatError,
+    HookTypeError,
     InvalidArgumentError,
     TrackingError,
     TrackingUnreachableError,
@@ -213,6 +214,8 @@ def check_reachable(uri: str, timeout: float | None = None) -> None:
     """Raise :class:`TrackingUnreachableError` unless the HTTP(S) tracking server at ``uri``
     answers ``GET /health`` (any HTTP status counts: it answered) within ``timeout`` seconds.
     Other stores (sqlite, files, databases) are not checked."""
+    if not isinstance(uri, str):
+        raise HookTypeError(f"tracking URI must be a str such as 'http://127.0.0.1:5000', got {uri!r}")
     if not uri.startswith(("http://", "https://")):
         return
     import ssl

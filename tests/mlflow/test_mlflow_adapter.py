@@ -390,6 +390,8 @@ def test_unreachable_server_and_bad_uris_are_clear_errors(sqlite_tracking_uri, t
     for bad in ("htp://127.0.0.1:5000",):
         with pytest.raises(InvalidArgumentError, match=re.escape(repr(bad))):
             sync(built.path, rid, tracking_uri=bad)
+    with pytest.raises(TypeError, match="got 5000"):
+        check_reachable(5000)
     # credentials stay out of the message; a bad timeout setting is named
     with pytest.raises(TrackingUnreachableError) as ei:
         check_reachable(dead.replace("http://", "http://user:secret@"))
