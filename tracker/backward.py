@@ -249,7 +249,7 @@ class BackwardCall:
         self.grad_in = self.grad_out = None
         failure: Exception | None = None
         for handle in self.handles:
-            if handle.active:  # deactivated since the forward: skip
+            if handle.runs:  # deactivated or suspended since the forward: skip
                 try:
                     handle.call(self.module, grad_in, grad_out)
                 except Exception as e:  # noqa: BLE001 - the module's other hooks still run

@@ -82,7 +82,6 @@ class _Binding:
     handle: Any
     handle_id: str
     category: str
-    suspended: bool = False  # deactivated by the recorder (not by the user) on a skipped step
 
 
 class CaptureHook:

@@ -68,11 +68,27 @@ class HookHandle:
         self._manager: HookManager | None = manager
         self._slot = slot
         self._active = False
+        self._suspended = False
 
     @property
     def active(self) -> bool:
-        """Whether the hook currently runs when the module is called."""
+        """Whether the hook is switched on (by :meth:`activate` or the manager's contexts).
+
+        An active handle runs when the module is called unless it is :attr:`suspended`.
+        """
         return self._active
+
+    @property
+    def suspended(self) -> bool:
+        """Whether the hook's owner (a :class:`~hookline.tracker.Recorder` on a step it does
+        not sample, or inside ``paused()``) holds it off. Independent of :attr:`active`: what
+        the user switched off stays off when the suspension ends, and vice versa."""
+        return self._suspended
+
+    @property
+    def runs(self) -> bool:
+        """Whether the hook runs on the module's next calls (active and not suspended)."""
+        return self._active and not self._suspended
 
     @property
     def removed(self) -> bool:
@@ -92,13 +108,25 @@ class HookHandle:
             )
         if not self._active:
             self._active = True
-            self._slot.add(self)
+            if not self._suspended:
+                self._slot.add(self)
 
     def deactivate(self) -> None:
         """Stop running the hook; no-op when inactive or removed."""
         if self._active:
             self._active = False
-            self._slot.discard(self)
+            if not self._suspended:
+                self._slot.discard(self)
+
+    def _suspend(self, suspended: bool) -> None:
+        """Hold the hook off (or release it) for its owner, leaving :attr:`active` alone."""
+        if suspended != self._suspended and self._manager is not None:
+            self._suspended = suspended
+            if self._active:
+                if suspended:
+                    self._slot.discard(self)
+                else:
+                    self._slot.add(self)
 
     def remove(self) -> None:
         """Deactivate the hook and purge it from its manager's tables. Idempotent."""
@@ -129,4 +157,6 @@ class HookHandle:
 
     def __repr__(self) -> str:
         state = "removed" if self.removed else "active" if self._active else "inactive"
+        if self._suspended and not self.removed:
+            state += ", suspended"
         return f"<HookHandle {self.name!r} ({self.hook_fn.category}, {state})>"

@@ -276,26 +276,30 @@ class Recorder:
     def set_step(self, step: int) -> None:
         """Make ``step`` the current step (for loops that prefer a setter to ``with rec.step``).
 
-        On steps that are not sampled the recorder deactivates its handles through the manager
-        (no torch hook is left on the modules, so they cost nothing) and reactivates them on the
-        next sampled step. Handles the user deactivated stay deactivated.
+        On steps that are not sampled the recorder suspends its handles through the manager
+        (no torch hook is left on the modules, so they cost nothing) and releases them on the
+        next sampled step. Suspension is separate from the handles' ``active`` switch: handles
+        the user deactivated (before or during a skipped step) stay deactivated.
         """
         self._check_open()
         step = _check_step(step)
         self._raise_writer_error()
         self._packer.hand_over_stale()
+        self._set_current(step)
+
+    def _set_current(self, step: int) -> None:
         sampled = self.is_sampled(step)
         with self._lock:
             self._step = step
             if sampled != self._sampled:
                 self._sampled = sampled
-                for _, b in self._bindings:
-                    if sampled and b.suspended:
-                        b.suspended = False
-                        b.handle.activate()
-                    elif not sampled and b.handle.active:
-                        b.suspended = True
-                        b.handle.deactivate()
+                self._apply_suspension()
+
+    def _apply_suspension(self) -> None:
+        """Suspend the handles on skipped steps and inside paused(); release them otherwise."""
+        off = self._paused > 0 or not self._sampled
+        for _, b in self._bindings:
+            b.handle._suspend(off)
 
     @contextmanager
     def step(self, step: int) -> Iterator[int]:
@@ -305,27 +309,33 @@ class Recorder:
             >>> with rec.step(7):
             ...     loss_fn(model(batch)).backward()
         """
+        outer = self._step
         self.set_step(step)
         try:
             yield self._step  # type: ignore[misc]
         finally:
-            self._step = None
+            if outer is None or self._closed:
+                self._step = None
+            else:  # nested: the outer step goes on (its sampling and call counts included)
+                self._set_current(outer)
 
     @contextmanager
     def paused(self) -> Iterator[None]:
-        """Suspend this recorder's handles (e.g. around an evaluation loop), restore on exit."""
+        """Suspend this recorder's handles (e.g. around an evaluation loop), release them on exit.
+
+        Handles registered meanwhile are suspended too; the handles' ``active`` switches are left
+        alone (what the user deactivates inside stays deactivated).
+        """
         self._check_open()
-        paused = [b for _, b in self._bindings if b.handle.active]
-        for b in paused:
-            b.handle.deactivate()
-        self._paused += 1  # also covers handles registered or re-activated meanwhile
+        with self._lock:
+            self._paused += 1
+            self._apply_suspension()
         try:
             yield
         finally:
-            self._paused -= 1
-            for b in paused:
-                if any(b is bb for _, bb in self._bindings):  # not removed meanwhile
-                    b.handle.activate()
+            with self._lock:
+                self._paused -= 1
+                self._apply_suspension()
 
     # --- binding (called by CaptureHook) ----------------------------------------------------
     def _bind(self, hook: CaptureHook, binding: _Binding) -> None:
@@ -354,9 +364,7 @@ class Recorder:
             self._packer.handles = len(self._bindings)  # sizes blocks: see BlockPacker.handles
             self._hook_seconds.setdefault(binding.handle_id, 0.0)
             self._skipped.setdefault(binding.handle_id, [])
-            if not self._sampled and handle.active:
-                binding.suspended = True
-                handle.deactivate()
+            handle._suspend(self._paused > 0 or not self._sampled)
 
     def _unbind(self, hook: CaptureHook, binding: _Binding) -> None:
         with self._lock:

@@ -235,3 +235,65 @@ def test_more_hooked_modules_than_the_open_file_limit_are_all_recorded(tmp_path)
     assert all(len(run[h]) == 3 for h in run.handles)
     last = torch.load(tmp_path / "last.pt")
     np.testing.assert_array_equal(run["outputs[39]"]["outputs.0"][2], last.numpy())
+
+
+def test_nested_step_restores_the_outer_step_and_its_sampling(tmp_path):
+    lin = nn.Linear(2, 2)
+    mgr = HookManager()
+    rec = Recorder(tmp_path / "r", every=2)
+    mgr.register_forward_hook(rec.outputs, lin=lin)
+    mgr.register_backward_hook(rec.grads, lin=lin)
+    with rec.step(2):
+        with rec.step(3):  # not sampled: suspends the handles for the inner block only
+            lin(torch.zeros(2))
+        assert rec.current_step == 2
+        lin(torch.zeros(2)).sum().backward()  # recorded under the outer step
+    with rec.step(4):
+        y = lin(torch.zeros(2, requires_grad=True))
+        with rec.step(4):
+            pass
+        y.sum().backward()  # failed before: "fired outside any recorder step"
+    assert rec.current_step is None
+    rec.close()
+    with open_run(tmp_path / "r") as run:
+        assert steps_calls(run, "outputs[lin]") == [(2, 0), (4, 0)]
+        assert steps_calls(run, "grads[lin]") == [(2, 0), (4, 0)]
+
+
+def test_a_handle_the_user_deactivates_on_a_skipped_step_stays_off(tmp_path):
+    lin = nn.Linear(2, 2)
+    mgr = HookManager()
+    rec = Recorder(tmp_path / "r", every=2)
+    mgr.register_forward_hook(rec.outputs, lin=lin)
+    handle = mgr.name_to_hookhandle["outputs[lin]"]
+    for s in range(6):
+        with rec.step(s):
+            assert handle.suspended == (s % 2 == 1)
+            if s == 1:
+                mgr.deactivate_hook_by_name("outputs[lin]")
+            lin(torch.zeros(2))
+    assert not handle.active and not lin._forward_hooks  # nothing left on the module either
+    with rec.paused():  # and a handle switched on inside paused() waits for the pause to end
+        handle.activate()
+        assert handle.active and handle.suspended and not handle.runs and not lin._forward_hooks
+    assert handle.active and handle.suspended  # step 5 was not sampled: held off until step 6
+    rec.set_step(6)
+    assert handle.runs
+    lin(torch.zeros(2))
+    rec.close()
+    with open_run(tmp_path / "r") as run:
+        assert steps_calls(run, "outputs[lin]") == [(0, 0), (6, 0)]
+
+
+def test_deactivating_inside_paused_is_kept_after_the_pause(tmp_path):
+    m, mgr, rec = recorded_identity(tmp_path)
+    handle = mgr.name_to_hookhandle["outputs[m]"]
+    with rec.paused():
+        assert handle.active and handle.suspended
+        handle.deactivate()
+    assert not handle.active and not handle.suspended
+    with rec.step(0):
+        m(torch.ones(1))
+    rec.close()
+    with open_run(tmp_path / "r") as run:
+        assert steps_calls(run, "outputs[m]") == []
