@@ -581,6 +581,48 @@ class RunWriter:
                 f"unknown handle {handle_id!r}: call add_handle() first (known: {sorted(self._handles)[:20]})")
         return h
 
+    def reserve_fields(self, handle_id: str, fields: Mapping[str, tuple[str, tuple[int, ...]]]) -> None:
+        """Check that records with these fields would be accepted, before any is queued.
+
+        A recorder calls this when a handle's record layout changes, so a record the writer
+        would refuse (a bad field name, a changed dtype or ndim) fails in its own hook instead
+        of later, with the records queued behind it. Fields seen for the first time are
+        registered with this dtype and ndim, exactly as a first :meth:`write` would.
+
+        Args:
+            handle_id: a handle declared with :meth:`add_handle`.
+            fields: field name -> ``(dtype_name, record_shape)``.
+
+        Raises:
+            UnknownNameError, InvalidArgumentError, HookTypeError: as :meth:`write` would.
+        """
+        h = self._open_handle(handle_id)
+        for name, (dn, shape) in fields.items():
+            dtypes.info(dn)
+            self._check_field(h, name, dn, tuple(shape))
+
+    def _check_field(self, h: _Handle, name: str, dn: str, shape: tuple[int, ...]) -> None:
+        """Refuse a field whose name is invalid, or whose dtype or ndim differs from its first
+        record's; register a new field."""
+        ndim = len(shape)
+        if name not in h.known:
+            try:
+                check_field_name(name)
+            except InvalidArgumentError as e:
+                raise InvalidArgumentError(f"handle {h.id!r}: {e}") from None
+            with self._cond:
+                h.field_dtype.setdefault(name, dn)
+                h.field_ndim.setdefault(name, ndim)
+                h.known.add(name)
+        if h.field_dtype[name] != dn:
+            raise InvalidArgumentError(
+                f"field {name!r} of {h.id!r} changed dtype from {h.field_dtype[name]} to {dn}; "
+                f"a field keeps one dtype (use another field name)")
+        if h.field_ndim[name] != ndim:
+            raise InvalidArgumentError(
+                f"field {name!r} of {h.id!r} changed ndim from {h.field_ndim[name]} to {ndim} "
+                f"(record shape {shape}); a field keeps its number of dimensions")
+
     def _put(self, h: _Handle, steps: list[int], calls: list[int], fields: Mapping[str, FieldValue],
              k: int | None) -> bool:
         """Validate ``fields`` (one record if ``k`` is None, else a block of ``k``) and queue them."""
@@ -613,21 +655,7 @@ class RunWriter:
                 raise InvalidArgumentError(
                     f"field {name!r} of {handle_id!r}: a block of {k} records needs arrays of shape "
                     f"({k}, ...), got shape {arr.shape}")
-            ndim = arr.ndim - lead
-            if name not in h.known:
-                check_field_name(name)
-                with self._cond:
-                    h.field_dtype.setdefault(name, dn)
-                    h.field_ndim.setdefault(name, ndim)
-                    h.known.add(name)
-            if h.field_dtype[name] != dn:
-                raise InvalidArgumentError(
-                    f"field {name!r} of {handle_id!r} changed dtype from {h.field_dtype[name]} to {dn}; "
-                    f"a field keeps one dtype (use another field name)")
-            if h.field_ndim[name] != ndim:
-                raise InvalidArgumentError(
-                    f"field {name!r} of {handle_id!r} changed ndim from {h.field_ndim[name]} to {ndim} "
-                    f"(record shape {arr.shape[lead:]}); a field keeps its number of dimensions")
+            self._check_field(h, name, dn, arr.shape[lead:])
             norm_fields[name] = (arr if lead else arr[None], dn)
             nbytes += arr.nbytes
         n = len(steps)

@@ -207,6 +207,13 @@ def _names(prefix: str, paths: tuple[str, ...]) -> tuple[str, ...]:
     names = _NAME_CACHE.get(key)
     if names is None:
         names = tuple(f"{prefix}.{p}" for p in paths)
+        if len(set(names)) != len(names):
+            dup = next(n for n in names if names.count(n) > 1)
+            raise InvalidArgumentError(
+                f"two tensors of the {prefix} would both be stored as field {dup!r} (paths "
+                f"{[p for p in paths if f'{prefix}.{p}' == dup]}: a dict key containing '.' or a str "
+                f"key equal to an int key); rename one of the keys in the module's output"
+            )
         if len(_NAME_CACHE) < 4096:  # bounded: paths of dict outputs could vary without end
             _NAME_CACHE[key] = names
     return names

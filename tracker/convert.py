@@ -7,6 +7,7 @@ handed in must already be a private copy (see :mod:`hookline.tracker.packer`).
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections import deque
 from typing import Union
@@ -14,7 +15,10 @@ from typing import Union
 import numpy as np
 import torch
 
-__all__ = ["FieldValue", "to_field", "BufferPool", "BITS_DTYPES"]
+from hookline.storage import dtypes
+from hookline.storage.errors import HookTypeError
+
+__all__ = ["FieldValue", "to_field", "storage_dtype", "BufferPool", "BITS_DTYPES"]
 
 FieldValue = Union[np.ndarray, "tuple[np.ndarray, str]"]
 
@@ -48,6 +52,23 @@ def to_field(t: torch.Tensor) -> FieldValue:
         view_dtype, np_bits, name = bits
         return t.view(view_dtype).numpy().view(np_bits), name
     return t.numpy()
+
+
+@functools.lru_cache(maxsize=None)
+def storage_dtype(dtype: torch.dtype) -> str:
+    """The storage dtype name a CPU tensor of ``dtype`` is stored under (see :func:`to_field`).
+
+    Raises:
+        HookTypeError: for dtypes hookline cannot store.
+    """
+    bits = BITS_DTYPES.get(dtype)
+    if bits is not None:
+        return bits[2]
+    try:
+        np_dtype = torch.empty(0, dtype=dtype).numpy().dtype
+    except TypeError:
+        raise HookTypeError(f"cannot record tensors of dtype {dtype}; cast them in the module") from None
+    return dtypes.native_name(np_dtype)
 
 
 class BufferPool:

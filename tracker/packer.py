@@ -26,10 +26,11 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from hookline.storage.errors import WriterClosedError
 from hookline.storage.format import chunk_records
 
-from .convert import BufferPool, to_field
-from .stats import split_stats
+from .convert import BufferPool, storage_dtype, to_field
+from .stats import SCALAR_STATS, split_stats
 
 __all__ = ["BlockPacker", "BLOCK_BYTES", "BLOCK_MAX_RECORDS", "MAX_AGE_S"]
 
@@ -94,6 +95,10 @@ class BlockPacker:
             defaults to ``torch.cuda.Event``. Injectable so the pending logic is testable on CPU.
         max_age_s: see :data:`MAX_AGE_S`.
         block_bytes: see :data:`BLOCK_BYTES`.
+        check_fields: ``RunWriter.reserve_fields``-compatible callable ``(handle_id, {name:
+            (dtype_name, record_shape)})``, called when a handle's record layout changes,
+            before the record is taken: a record the writer would refuse fails in its own hook
+            and costs no other record.
     """
 
     def __init__(
@@ -105,8 +110,11 @@ class BlockPacker:
         event_factory: Callable[[], Any] | None = None,
         max_age_s: float = MAX_AGE_S,
         block_bytes: int = BLOCK_BYTES,
+        check_fields: Callable[[str, dict[str, tuple[str, tuple[int, ...]]]], None] | None = None,
     ) -> None:
         self._write_block = write_block
+        self._check_fields = check_fields
+        self._closed = False
         self.block_bytes = block_bytes
         #: Handles expected to fill blocks at once (the recorder keeps it at its number of bound
         #: handles): each block gets at most an even share of the open-block budget.
@@ -155,8 +163,13 @@ class BlockPacker:
 
     def _add(self, handle_id: str, step: int, call: int, names: list[str], tensors: list[torch.Tensor],
              cast: torch.dtype | None, stats: bool) -> None:
+        if self._closed:
+            raise WriterClosedError(
+                f"{handle_id} fired while its recorder was closing; the record was not taken")
         blk = self._open.get(handle_id)
         if blk is None or not blk.matches(names, tensors):
+            if self._check_fields is not None:  # before anything changes: refused means untouched
+                self._check_fields(handle_id, _layout(names, tensors, cast, stats))
             if blk is not None:
                 self._changes[handle_id] = self._changes.get(handle_id, 0) + 1
                 self._hand_over(handle_id)
@@ -258,9 +271,16 @@ class BlockPacker:
             hid, blk = self._pending.popleft()
             self._write(hid, blk)
 
-    def drain(self) -> None:
-        """Hand over every block and wait for pending device copies (flush/close)."""
+    def drain(self, final: bool = False) -> None:
+        """Hand over every block and wait for pending device copies (flush/close).
+
+        Args:
+            final: take no record afterwards (:meth:`add` raises WriterClosedError): a record
+                arriving from another thread while the recorder closes fails in its hook
+                instead of landing in a block nobody hands over.
+        """
         with self._lock:
+            self._closed = self._closed or final
             failure = _failure_of(self.hand_over_all)
             while self._pending:
                 hid, blk = self._pending.popleft()
@@ -292,6 +312,21 @@ class BlockPacker:
                 weakref.finalize(owner, give, buf)
                 fields[name] = value
         self._write_block(handle_id, blk.steps, blk.calls, fields)  # drops are counted by the writer
+
+
+def _layout(names: list[str], tensors: list[torch.Tensor], cast: torch.dtype | None,
+            stats: bool) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """The storage fields a record makes: name -> (dtype name, record shape)."""
+    out: dict[str, tuple[str, tuple[int, ...]]] = {}
+    for name, t in zip(names, tensors):
+        if stats:  # one packed float64 vector -> scalar stats + a histogram (split_stats)
+            dn = storage_dtype(t.dtype)
+            out.update({f"{name}.{s}": (dn, ()) for s in SCALAR_STATS})
+            out[f"{name}.hist"] = (dn, (t.shape[-1] - len(SCALAR_STATS),))
+        else:
+            dt = cast if cast is not None and t.is_floating_point() else t.dtype
+            out[name] = (storage_dtype(dt), tuple(t.shape))
+    return out
 
 
 def _failure_of(fn: Callable[..., Any], *args: Any) -> Exception | None:

@@ -216,10 +216,15 @@ class Recorder:
         # the open blocks, so memory stays within the budget + 64 MB (SPEC §8) even when
         # ragged shapes leave pooled buffers that no later block can use.
         self._pool = BufferPool(max_bytes=open_bytes)
-        self._packer = BlockPacker(self._writer.write_block, self._pool, max_open_bytes=open_bytes)
+        self._packer = BlockPacker(self._writer.write_block, self._pool, max_open_bytes=open_bytes,
+                                   check_fields=self._writer.reserve_fields)
         self.inputs = CaptureHook(self, CaptureOptions("inputs"))
         self.outputs = CaptureHook(self, CaptureOptions("outputs"))
         self.grads = CaptureHook(self, CaptureOptions("grads"))
+        # A recorder dropped without close() (hooks removed, last reference gone) still gets its
+        # open blocks to disk and its files closed.
+        self._collected = weakref.finalize(self, _close_collected, self._packer, self._writer, str(self.run_dir))
+        self._collected.atexit = False  # at exit the closer below closes it properly
         # Close at interpreter exit so buffered data reaches the disk (weakly: no leak).
         self._atexit = weak_closer(self, _log_exit_error)
         self._exit_timeout: float | None = None  # the MLflow upload's limit when closed at exit
@@ -431,8 +436,14 @@ class Recorder:
         With MLflow, also schedules a background update of the run's metrics and tags.
         """
         self._check_open()
-        self._packer.drain()
+        failure: BaseException | None = None
+        try:
+            self._packer.drain()
+        except BaseException as e:  # noqa: BLE001 - one refused block must not keep the others off disk
+            failure = e
         self._writer.flush()
+        if failure is not None:
+            raise failure
         if self._mlflow is not None:
             self._mlflow.submit(self.run_dir)  # per-step metrics so far, in the background
 
@@ -467,9 +478,10 @@ class Recorder:
         if self._closed:
             return self.summary()
         atexit.unregister(self._atexit)
+        self._collected.detach()
         failure: BaseException | None = None
         try:
-            self._packer.drain()
+            self._packer.drain(final=True)  # a record racing in from another thread now fails
         except BaseException as e:  # noqa: BLE001 - re-raised below, after the collective
             failure = e
         self._closed = True
@@ -532,6 +544,26 @@ def _exit_closer(rec: Recorder) -> Any:
         closer()
 
     return close
+
+
+def _close_collected(packer: BlockPacker, writer: RunWriter, run_dir: str) -> None:
+    """Finalizer of a recorder garbage-collected without :meth:`Recorder.close`: its open blocks
+    go to the writer, which closes (on a thread of its own: the collection may run on any
+    thread, the writer's included, which must not wait for itself)."""
+
+    def close() -> None:
+        try:
+            try:
+                packer.drain(final=True)
+            finally:
+                writer.close()
+            log.warning("hookline: the Recorder for %r was garbage-collected without close(); its records "
+                        "were written and its files closed (MLflow, if used, was not updated: run "
+                        "`hookline sync`)", run_dir)
+        except Exception as e:  # noqa: BLE001 - no caller left to raise to
+            log.error("hookline: closing the garbage-collected Recorder for %r failed: %s", run_dir, e)
+
+    threading.Thread(target=close, name="hookline-recorder-finalizer").start()
 
 
 def _log_exit_error(rec: Recorder, e: Exception) -> None:

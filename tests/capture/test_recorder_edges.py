@@ -47,7 +47,8 @@ def test_stats_of_a_cast_capture_are_float64(tmp_path, dtype):
 
 
 def test_a_refused_block_loses_no_other_handles_records(tmp_path):
-    """A field whose dtype changes (refused by the writer) fails its own handle only."""
+    """A field whose dtype changes (refused by the writer) fails in its own hook, at once, and
+    costs no other record: not the other handle's, not the same handle's records around it."""
     a, b = nn.Identity(), nn.Identity()
     mgr = HookManager()
     rec = Recorder(tmp_path / "r")
@@ -57,15 +58,18 @@ def test_a_refused_block_loses_no_other_handles_records(tmp_path):
         b(torch.ones(3))
     rec.flush()
     with rec.step(1):
-        a(torch.ones(3, dtype=torch.float64))  # dtype changed: refused at hand-over
+        a(torch.ones(3))
+        with pytest.raises(HookFunctionError, match="outputs.0.*changed dtype from float32 to float64") as ei:
+            a(torch.ones(3, dtype=torch.float64))
+        assert isinstance(ei.value.__cause__, InvalidArgumentError)
         b(torch.ones(3))
     with rec.step(2):
+        a(torch.ones(3))  # used to be lost: the refusal came at this record's hand-over
         b(torch.ones(3))
-    with pytest.raises(InvalidArgumentError, match="changed dtype"):
-        rec.close()
+    rec.close()
     with open_run(tmp_path / "r") as run:
         assert run["outputs[b]"].steps.tolist() == [0, 1, 2]
-        assert run["outputs[a]"].steps.tolist() == [0]
+        assert steps_calls(run, "outputs[a]") == [(0, 0), (1, 0), (2, 0)]
 
 
 def test_steps_beyond_int64_are_refused(tmp_path):
@@ -297,3 +301,126 @@ def test_deactivating_inside_paused_is_kept_after_the_pause(tmp_path):
     rec.close()
     with open_run(tmp_path / "r") as run:
         assert steps_calls(run, "outputs[m]") == []
+
+
+class _Fn(nn.Module):
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, x):
+        return self.fn(x)
+
+
+@pytest.mark.parametrize("out", [
+    lambda: {"a.b": torch.ones(2), "a": {"b": torch.full((2,), 2.0)}},
+    lambda: {0: torch.ones(2), "0": torch.full((2,), 2.0)},
+])
+def test_two_tensors_named_alike_are_refused_in_the_hook(tmp_path, out):
+    """Both would be stored as one field: the second used to overwrite the first, silently."""
+    m = _Fn(lambda x: out())
+    mgr = HookManager()
+    rec = Recorder(tmp_path / "r")
+    mgr.register_forward_hook(rec.outputs, m=m)
+    with rec.step(0), pytest.raises(HookFunctionError, match=r"both be stored as field 'outputs\.(a\.b|0)'.*rename"):
+        m(torch.zeros(1))
+    rec.close()
+
+
+def test_a_bad_field_name_fails_at_its_first_firing_and_costs_no_other_record(tmp_path):
+    m = _Fn(lambda x: {"ok": torch.ones(2), "a/b": torch.ones(2)})
+    lin = nn.Linear(2, 2)
+    mgr = HookManager()
+    rec = Recorder(tmp_path / "r")
+    mgr.register_forward_hook(rec.outputs, m=m, lin=lin)
+    for s in range(3):
+        with rec.step(s):
+            with pytest.raises(HookFunctionError, match=r"handle 'outputs\[m\]': invalid field name 'outputs\.a/b'"):
+                m(torch.zeros(1))
+            lin(torch.zeros(2))
+    rec.close()  # used to fail here, with every record of outputs[m] lost
+    with open_run(tmp_path / "r") as run:
+        assert run["outputs[lin]"].steps.tolist() == [0, 1, 2]
+
+
+def test_flush_writes_the_other_handles_when_one_block_is_refused(tmp_path):
+    """A block refused at hand-over (the early check switched off here to get one) must not keep
+    the other handles' records from the disk: flush() is the durability barrier."""
+    m = _Fn(lambda x: {"ok": torch.ones(2), "a/b": torch.ones(2)})
+    lin = nn.Linear(2, 2)
+    mgr = HookManager()
+    rec = Recorder(tmp_path / "r")
+    rec._packer._check_fields = None
+    mgr.register_forward_hook(rec.outputs, bad=m, good=lin)
+    for s in range(3):
+        with rec.step(s):
+            m(torch.zeros(1))
+            lin(torch.zeros(2))
+    with pytest.raises(InvalidArgumentError, match="a/b"):
+        rec.flush()
+    with open_run(tmp_path / "r") as run:  # the published segments, writer still open
+        assert run["outputs[good]"].steps.tolist() == [0, 1, 2]
+    rec.close()
+
+
+def test_a_record_racing_close_is_written_or_refused_never_lost(tmp_path):
+    import threading
+    import time
+
+    for trial in range(5):
+        lin = nn.Linear(2, 2)
+        mgr = HookManager()
+        rec = Recorder(tmp_path / f"r{trial}")
+        mgr.register_forward_hook(rec.outputs, lin=lin)
+        accepted = [0]
+        capture = rec._capture
+
+        def counted(*a, capture=capture):
+            capture(*a)  # raises when the record is refused
+            accepted[0] += 1
+
+        rec._capture = counted
+        rec.set_step(0)
+        stop = threading.Event()
+
+        def work():
+            x = torch.zeros(2)
+            while not stop.is_set():
+                try:
+                    lin(x)
+                except HookFunctionError:
+                    pass
+
+        t = threading.Thread(target=work)
+        t.start()
+        time.sleep(0.03)
+        rec.close()
+        stop.set()
+        t.join()
+        with open_run(tmp_path / f"r{trial}") as run:
+            assert len(run["outputs[lin]"].steps) == accepted[0] > 0
+
+
+def test_a_recorder_dropped_without_close_still_writes_its_records(tmp_path, caplog):
+    import gc
+    import threading
+
+    def train():
+        lin = nn.Linear(2, 2)
+        mgr = HookManager()
+        rec = Recorder(tmp_path / "r")
+        mgr.register_forward_hook(rec.outputs, lin=lin)
+        for s in range(10):
+            with rec.step(s):
+                lin(torch.zeros(2))
+        mgr.remove_all_hooks()  # the last references to the recorder go with the function
+
+    train()
+    gc.collect()
+    for t in threading.enumerate():
+        if t.name == "hookline-recorder-finalizer":
+            t.join(30)
+    with open_run(tmp_path / "r") as run:
+        assert run["outputs[lin]"].steps.tolist() == list(range(10))
+        assert run.status == "closed"
+    assert "garbage-collected without close()" in caplog.text
