@@ -84,6 +84,10 @@ class Writeback:
         self._dirty.pop(id(f), None)
 
 
+#: Compression levels each leveled filter accepts (HDF5's deflate; zstd's range in hdf5plugin).
+_LEVELS = {"gzip": range(0, 10), "zstd": range(1, 23)}
+
+
 def compression_kwargs(spec: str | None) -> dict[str, Any]:
     """h5py ``create_dataset`` keyword arguments for a compression spec.
 
@@ -91,9 +95,19 @@ def compression_kwargs(spec: str | None) -> dict[str, Any]:
         spec: ``None``/``"none"``, ``"gzip"`` (level 4) or ``"gzip-<level>"``, ``"lzf"``,
             ``"zstd"`` (level 1) or ``"zstd-<level>"``, ``"lz4"``.
     """
+    from .errors import InvalidArgumentError
+
     if spec is None or spec == "none":
         return {}
-    name, _, level = spec.partition("-")
+    name, dash, level = spec.partition("-")
+    levels = _LEVELS.get(name)
+    if levels is not None and dash:
+        if not (level.isdigit() and int(level) in levels):
+            raise InvalidArgumentError(
+                f"compression {spec!r}: the {name} level must be an integer from {levels[0]} to {levels[-1]}, "
+                f"got {level!r} (e.g. '{name}-{levels[0]}')")
+    elif name in ("lzf", "lz4") and dash:
+        raise InvalidArgumentError(f"compression {spec!r}: {name} has no level; use {name!r}")
     if name == "gzip":
         return {"compression": "gzip", "compression_opts": int(level or 4), "shuffle": False}
     if name == "lzf":
@@ -104,10 +118,9 @@ def compression_kwargs(spec: str | None) -> dict[str, Any]:
         if name == "zstd":
             return dict(hdf5plugin.Zstd(clevel=int(level or 1)))
         return dict(hdf5plugin.LZ4())
-    from .errors import InvalidArgumentError
 
     raise InvalidArgumentError(
-        f"unknown compression {spec!r}; use None, 'gzip', 'gzip-<1..9>', 'lzf', 'zstd', 'zstd-<level>' or 'lz4'"
+        f"unknown compression {spec!r}; use None, 'gzip', 'gzip-<0..9>', 'lzf', 'zstd', 'zstd-<1..22>' or 'lz4'"
     )
 
 

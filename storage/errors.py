@@ -21,6 +21,7 @@ __all__ = [
     "HookFunctionError",
     "RecordIndexError",
     "StorageError",
+    "RunExistsError",
     "WriterClosedError",
     "FormatError",
     "TrackingError",
@@ -66,6 +67,11 @@ class RecordIndexError(HooklineError, IndexError):
 
 class StorageError(HooklineError, OSError):
     """Writing or reading hookline data failed (full disk, I/O error, unreadable file)."""
+
+
+class RunExistsError(HooklineError, FileExistsError):
+    """A new recording was pointed at a directory that already holds a run (pass ``resume=True``
+    to continue that run on purpose)."""
 
 
 class WriterClosedError(HooklineError, ValueError):

@@ -344,7 +344,7 @@ class RunWriter:
         self.rank, self.world_size = rank, world_size
         self.policy = policy
         self.max_buffer_bytes = int(max_buffer_mb * (1 << 20))
-        self.meta = dict(meta or {})
+        self.meta = json_meta(meta, "run meta")
         self.autoflush_s = autoflush_s
         self.merge_on_close = merge_on_close
         self.fsync = fsync
@@ -457,15 +457,24 @@ class RunWriter:
         """
         self._check_open()
         key = handle_key(handle_id)
+        new_meta = json_meta(meta, f"meta of handle {handle_id!r}")
         with self._cond:
-            if handle_id in self._handles:
+            old = self._handles.get(handle_id)
+            if old is None and handle_id in self._old_handles:  # a continued run's handle
+                old_meta = self._old_handles[handle_id].get("meta")
+            else:
+                old_meta = old.info["meta"] if old is not None else None
+            if isinstance(old_meta, dict):
+                changed = {k: (old_meta[k], v) for k, v in new_meta.items() if k in old_meta and old_meta[k] != v}
+                if changed:
+                    raise InvalidArgumentError(
+                        f"handle {handle_id!r} already records with {', '.join(f'{k}={a!r}' for k, (a, _) in changed.items())}"
+                        f" in {str(self.run_dir)!r}; records with {', '.join(f'{k}={b!r}' for k, (_, b) in changed.items())}"
+                        f" would be mixed into it: give the hook another name")
+            if old is not None:
                 return
             info = {"module_name": str(module_name), "module_type": str(module_type),
-                    "category": str(category), "hook_fn_name": str(hook_fn_name), "meta": dict(meta or {})}
-            try:
-                json.dumps(info["meta"])
-            except (TypeError, ValueError) as e:
-                raise HookTypeError(f"meta of handle {handle_id!r} is not JSON-serialisable: {e}") from None
+                    "category": str(category), "hook_fn_name": str(hook_fn_name), "meta": new_meta}
             h = _Handle(handle_id, key, self._suffix, info)
             # A continued run: fields keep the dtype and ndim they were recorded with (checked
             # in write(), so a mismatch is a clear error now, not a failed merge at close).
@@ -975,7 +984,7 @@ class RunWriter:
             "rank": np.int64(-1 if self.rank is None else self.rank),
             "world_size": np.int64(-1 if self.world_size is None else self.world_size),
             "hookline_version": hookline_version(), "meta": json.dumps(i["meta"]),
-            "run_meta": json.dumps(self.meta, default=str), "created": now_iso(),
+            "run_meta": json.dumps(self.meta), "created": now_iso(),
             "run_uuid": self._uuid, "run_created": self._created,  # (a lost manifest is rebuilt)
         }
 
@@ -1350,10 +1359,42 @@ class RunWriter:
         try:
             json.dumps(m)
         except (TypeError, ValueError):
-            m["meta"] = json.loads(json.dumps(self.meta, default=str))
+            m["meta"] = self.meta
         atomic_write_json(self._manifest_path, m, fsync=self.fsync)
         self._dirty = False
         self._current_path = None
+
+
+def json_meta(meta: Mapping[str, Any] | None, what: str) -> dict[str, Any]:
+    """``meta`` as plain JSON data, checked: numpy values (and anything else with ``tolist()``,
+    e.g. a 0-dim tensor) become lists and scalars; anything JSON cannot store is refused, naming
+    its key, instead of being stored as its ``str()``.
+
+    Raises:
+        HookTypeError: ``meta`` is not a mapping with str keys, or a value cannot be stored.
+    """
+    if meta is None:
+        return {}
+    if not isinstance(meta, Mapping):
+        raise HookTypeError(f"{what} must be a dict, got {type(meta).__name__} {meta!r:.80}")
+
+    def plain(o: Any) -> Any:
+        tolist = getattr(o, "tolist", None)
+        if callable(tolist):
+            return tolist()
+        raise TypeError(type(o).__name__)
+
+    out: dict[str, Any] = {}
+    for k, v in meta.items():
+        if not isinstance(k, str):
+            raise HookTypeError(f"{what}: keys must be str, got {type(k).__name__} {k!r:.80}")
+        try:
+            out[k] = json.loads(json.dumps(v, default=plain, allow_nan=True))
+        except (TypeError, ValueError) as e:
+            raise HookTypeError(
+                f"{what}: the value of {k!r} ({type(v).__name__} {v!r:.60}) cannot be stored as JSON ({e}); "
+                f"pass numbers, strings, lists or dicts (e.g. str(value) for its text)") from None
+    return out
 
 
 def _lock_run(run_dir: Path, suffix: str) -> int:

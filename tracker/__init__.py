@@ -9,6 +9,7 @@ from hookline.storage.errors import (
     HooklineError,
     HookTypeError,
     InvalidArgumentError,
+    RunExistsError,
     UnknownNameError,
 )
 from hookline.tracker.handles import HookFunction, HookHandle
@@ -27,6 +28,7 @@ __all__ = [
     "HookTypeError",
     "InvalidArgumentError",
     "Leaves",
+    "RunExistsError",
     "UnknownNameError",
     "select",
 ]

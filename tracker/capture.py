@@ -51,13 +51,21 @@ class CaptureOptions:
             )
         if self.mode not in _MODES:
             raise InvalidArgumentError(f"unknown capture mode {self.mode!r}; use 'tensor' or 'stats'")
-        if self.batch_slice is not None and (
-            isinstance(self.batch_slice, bool) or not isinstance(self.batch_slice, int) or self.batch_slice < 1
-        ):
+        if self.batch_slice is not None and (isinstance(self.batch_slice, bool) or not isinstance(self.batch_slice, int)):
+            raise HookTypeError(
+                f"batch_slice must be an int (keep the first K items), got {type(self.batch_slice).__name__} "
+                f"{self.batch_slice!r:.60}"
+            )
+        if self.batch_slice is not None and self.batch_slice < 1:
             raise InvalidArgumentError(
                 f"batch_slice must be a positive int (keep the first K items), got {self.batch_slice!r}"
             )
-        if self.dtype is not None and (not isinstance(self.dtype, torch.dtype) or not self.dtype.is_floating_point):
+        if self.dtype is not None and not isinstance(self.dtype, torch.dtype):
+            raise HookTypeError(
+                f"dtype must be a torch dtype such as torch.bfloat16 or torch.float16, got "
+                f"{type(self.dtype).__name__} {self.dtype!r:.60}"
+            )
+        if self.dtype is not None and not self.dtype.is_floating_point:
             raise InvalidArgumentError(
                 f"dtype must be a floating torch dtype such as torch.bfloat16 or torch.float16, "
                 f"got {self.dtype!r}"
@@ -111,8 +119,18 @@ class CaptureHook:
                 f"as a {category}; register it with "
                 f"{' or '.join('register_' + c for c in KIND_CATEGORIES[self.options.kind])}"
             )
+        key = (id(handle.module), category)
+        other = self._bindings.get(key)
+        if other is not None and not other.handle.removed:
+            # Its firings could not be told apart (a hook function is called with the module
+            # only): one registration per module and category.
+            raise InvalidArgumentError(
+                f"recorder hook {self.name!r} is already registered on this module as {other.handle_id!r}; "
+                f"to record the module twice, register a second hook function: "
+                f"rec.hook({self.options.kind!r}, name='{self.name}2')"
+            )
         binding = _Binding(handle=handle, handle_id=handle.name, category=category)
-        self._bindings[(id(handle.module), category)] = binding
+        self._bindings[key] = binding
         self._recorder._bind(self, binding)
 
     def _hookline_unbind(self, handle: Any) -> None:

@@ -11,13 +11,13 @@ import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable, Iterator, Mapping
 
 import numpy as np
 import torch
 
-from hookline.storage.errors import HookTypeError, InvalidArgumentError, WriterClosedError
-from hookline.storage.format import MAX_STEP
+from hookline.storage.errors import HookTypeError, InvalidArgumentError, RunExistsError, WriterClosedError
+from hookline.storage.format import MAX_STEP, manifest_name
 from hookline.storage.writer import RunWriter, WriterStats, weak_closer
 
 from .capture import CaptureHook, CaptureOptions, _Binding, field_tensors
@@ -41,6 +41,8 @@ class HandleSummary:
     dropped: int = 0
     hook_seconds: float = 0.0
     skipped_fields: list[str] = field(default_factory=list)
+    #: Records durably on disk (flushed); equals ``records`` after a successful close.
+    on_disk: int = 0
 
 
 @dataclass
@@ -68,14 +70,27 @@ class RecorderSummary:
     def dropped(self) -> int:
         return self.storage.dropped
 
+    @property
+    def failed(self) -> bool:
+        """Whether writing failed: then only :attr:`HandleSummary.on_disk` records per handle
+        (those flushed before the failure) reached the disk, not :attr:`records`."""
+        return self.storage.error is not None
+
     def __str__(self) -> str:
-        lines = [f"hookline run {self.run_dir}: {self.records} records, {self.bytes / 1e6:.1f} MB"
-                 + (f", {self.dropped} DROPPED (policy 'drop')" if self.dropped else "")
-                 + f", {self.storage.blocked_seconds:.2f} s blocked on the disk"]
+        lines = []
+        if self.failed:
+            lines.append(f"hookline run {self.run_dir}: WRITING FAILED: {self.storage.error}; of {self.records} "
+                         f"records captured, {sum(h.on_disk for h in self.handles.values())} reached the disk "
+                         f"(those flushed before the failure)")
+        else:
+            lines.append(f"hookline run {self.run_dir}: {self.records} records, {self.bytes / 1e6:.1f} MB"
+                         + (f", {self.dropped} DROPPED (policy 'drop')" if self.dropped else "")
+                         + f", {self.storage.blocked_seconds:.2f} s blocked on the disk")
         for h in self.handles.values():
             lines.append(
                 f"  {h.handle_id:<40} {h.records:>7} rec {h.bytes / 1e6:>9.2f} MB"
                 f" {h.dropped:>5} dropped {h.hook_seconds * 1e3:>8.1f} ms in hooks"
+                + (f" {h.on_disk:>7} on disk" if self.failed else "")
             )
         if self.mlflow_run_id:
             lines.append(f"  mlflow run {self.mlflow_run_id}" + (f": ERROR {self.mlflow_error}" if self.mlflow_error else ""))
@@ -87,9 +102,16 @@ _CALL_STEPS = 64
 
 
 def _check_step(n: Any) -> int:
-    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not 0 <= n <= MAX_STEP:
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)):
+        raise HookTypeError(
+            f"step must be an int, got {type(n).__name__} {n!r:.60} (e.g. rec.set_step(int(step)))")
+    if not 0 <= n <= MAX_STEP:
         raise InvalidArgumentError(f"step must be a non-negative int up to 2**63 - 1 (stored as int64), got {n!r}")
     return int(n)
+
+
+#: Run metadata keys the recorder writes itself (a user's ``meta=`` may not override them).
+_OWN_META = ("torch_version", "every", "steps", "mlflow_run_id")
 
 
 class Recorder:
@@ -112,7 +134,7 @@ class Recorder:
     by the storage layer's background thread.
 
     Args:
-        run_dir: directory of the run (created; must not already hold a run).
+        run_dir: directory of the run (created; must not already hold a run unless ``resume``).
         every: record every N-th step (``step % every == 0``). Default 1.
         steps: explicit steps to record instead of ``every``.
         max_buffer_mb: memory budget for data captured but not yet on disk: the blocks being
@@ -129,6 +151,9 @@ class Recorder:
             must create and close its recorder.
         meta: extra JSON-serialisable run metadata.
         stats: histogram bins for ``mode="stats"`` hooks.
+        resume: continue a run this directory already holds (e.g. after a crash: each handle
+            appends after its last durable record). Without it, a directory that holds a run
+            is refused, so two runs are never mixed by a reused name.
     """
 
     def __init__(
@@ -146,23 +171,41 @@ class Recorder:
         world_size: int | None = None,
         meta: dict[str, Any] | None = None,
         stats: StatsSpec | None = None,
+        resume: bool = False,
     ) -> None:
         if not isinstance(run_dir, (str, os.PathLike)):
             raise HookTypeError(
                 f"Recorder needs a run directory path (str or os.PathLike), got "
                 f"{type(run_dir).__name__} {run_dir!r:.80}; e.g. Recorder('runs/baseline')"
             )
-        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        if isinstance(every, bool) or not isinstance(every, (int, np.integer)):
+            raise HookTypeError(f"every must be an int (record every N-th step), got {type(every).__name__} {every!r:.60}")
+        if every < 1:
             raise InvalidArgumentError(f"every must be a positive int (record every N-th step), got {every!r}")
+        every = int(every)
         if steps is not None:
             if every != 1:
                 raise InvalidArgumentError(
                     f"give either every={every!r} or steps=..., not both"
                 )
             if isinstance(steps, (str, bytes)) or not isinstance(steps, Iterable):
-                raise InvalidArgumentError(
-                    f"steps must be an iterable of step numbers (e.g. range(0, 1000, 50)), got {steps!r}")
+                raise HookTypeError(
+                    f"steps must be an iterable of step numbers (e.g. range(0, 1000, 50)), got "
+                    f"{type(steps).__name__} {steps!r:.60}")
             steps = frozenset(_check_step(s) for s in steps)
+        if meta is not None and not isinstance(meta, Mapping):
+            raise HookTypeError(f"meta must be a dict of run metadata, got {type(meta).__name__} {meta!r:.60}")
+        if meta is not None:
+            own = [k for k in meta if k in _OWN_META]
+            if own:
+                raise InvalidArgumentError(
+                    f"meta key {own[0]!r} is written by the recorder itself ({', '.join(_OWN_META)}); "
+                    f"rename yours (e.g. 'user_{own[0]}')")
+        if (isinstance(max_buffer_mb, bool) or not isinstance(max_buffer_mb, (int, float))):
+            raise HookTypeError(f"max_buffer_mb must be a number of MB, got {type(max_buffer_mb).__name__} "
+                                f"{max_buffer_mb!r:.60}")
+        if not 0 < max_buffer_mb < float("inf"):
+            raise InvalidArgumentError(f"max_buffer_mb must be a positive number, got {max_buffer_mb!r}")
         self.every = every
         self.steps = steps
         self.run_dir = Path(run_dir)
@@ -179,10 +222,18 @@ class Recorder:
                     "steps": sorted(steps) if steps is not None else None, **(meta or {})}
         if mlflow_run_id is not None:
             run_meta["mlflow_run_id"] = mlflow_run_id
+        self._mlflow = None
+        if mlflow_run_id is not None:
+            from hookline.storage import MlflowAdapter
 
-        if (isinstance(max_buffer_mb, bool) or not isinstance(max_buffer_mb, (int, float))
-                or not 0 < max_buffer_mb < float("inf")):
-            raise InvalidArgumentError(f"max_buffer_mb must be a positive number, got {max_buffer_mb!r}")
+            # Validates the id before anything is created; mlflow itself is imported on the
+            # adapter's own thread.
+            self._mlflow = MlflowAdapter(mlflow_run_id, tracking_uri=tracking_uri, rank=rank)
+        existing = self.run_dir / manifest_name(rank, world_size)
+        if not resume and existing.exists():
+            raise RunExistsError(
+                f"{str(self.run_dir)!r} already holds a run ({existing.name}); record into a new "
+                f"directory, or pass resume=True to continue that run (e.g. after a crash)")
         # The budget covers the blocks being filled (tracker/packer.py) and the writer's queue.
         budget = int(max_buffer_mb * 2**20)
         open_bytes = min(budget // 4, 64 << 20)
@@ -196,12 +247,6 @@ class Recorder:
             meta=run_meta,
         )
         self.rank, self.world_size = rank, world_size
-        self._mlflow = None
-        if mlflow_run_id is not None:
-            from hookline.storage import MlflowAdapter
-
-            # Validates the id now; mlflow itself is imported on the adapter's own thread.
-            self._mlflow = MlflowAdapter(mlflow_run_id, tracking_uri=tracking_uri, rank=rank)
         self._lock = threading.Lock()
         self._step: int | None = None
         self._sampled = True
@@ -460,7 +505,7 @@ class Recorder:
             st = storage.handles.get(hid)
             handles[hid] = HandleSummary(
                 hid, st.records if st else 0, st.bytes if st else 0, st.dropped if st else 0,
-                seconds, list(self._skipped[hid]),
+                seconds, list(self._skipped[hid]), st.flushed if st else 0,
             )
         return RecorderSummary(str(self.run_dir), handles, storage, self.mlflow_run_id)
 

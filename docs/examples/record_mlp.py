@@ -1,11 +1,12 @@
 """Worked example: record a small MLP's activations and gradients, then analyse them offline.
 
-Run:  python docs/examples/record_mlp.py [OUT_DIR]
+Run:  python docs/examples/record_mlp.py [OUT_DIR]   (default: a new runs/example-<time> directory)
 """
 
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -53,4 +54,5 @@ def main(out: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1] if len(sys.argv) > 1 else "runs/example"))
+    # A new directory per run by default: a Recorder refuses a directory that holds a run.
+    main(Path(sys.argv[1] if len(sys.argv) > 1 else f"runs/example-{time.strftime('%Y%m%d-%H%M%S')}"))

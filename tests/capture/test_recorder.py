@@ -476,6 +476,11 @@ def test_write_error_surfaces_at_next_step_and_keeps_flushed(tmp_path, monkeypat
     assert not model._forward_hooks  # close still removed the hooks
     monkeypatch.undo()
     assert list(open_run(tmp_path / "run")["outputs[lin]"].steps) == [0, 1, 2]
+    summary = rec.close()  # closing again (a with-block, atexit) tells the truth about the disk
+    h = summary.handles["outputs[lin]"]
+    assert summary.failed and h.records == 4 and h.on_disk == 3
+    assert str(summary).startswith(f"hookline run {tmp_path / 'run'}: WRITING FAILED: ")
+    assert "of 4 records captured, 3 reached the disk" in str(summary)
 
 
 def test_budget_covers_open_blocks_and_writer_queue(tmp_path):

@@ -186,13 +186,90 @@ def test_a_handle_is_ragged_only_while_its_shape_changes(tmp_path):
 
 @pytest.mark.parametrize("kwargs, error, match", [
     ({"max_buffer_mb": float("inf")}, InvalidArgumentError, "max_buffer_mb"),
-    ({"steps": 5}, InvalidArgumentError, "iterable"),
+    ({"max_buffer_mb": "512"}, HookTypeError, "max_buffer_mb must be a number of MB, got str '512'"),
+    ({"every": "2"}, HookTypeError, "every must be an int .*got str '2'"),
+    ({"steps": 5}, HookTypeError, "iterable.*got int 5"),
+    ({"steps": [1, 2.0]}, HookTypeError, "step must be an int, got float 2.0"),
     ({"steps": [1, 2**63]}, InvalidArgumentError, "2\\*\\*63"),
     ({"stats": "x"}, HookTypeError, "StatsSpec"),
+    ({"meta": {"every": 7}}, InvalidArgumentError, "meta key 'every' is written by the recorder.*'user_every'"),
+    ({"meta": {"opt": object()}}, HookTypeError, "value of 'opt' .*cannot be stored as JSON"),
+    ({"meta": [("lr", 0.1)]}, HookTypeError, "meta must be a dict"),
+    ({"compression": "gzip-99"}, InvalidArgumentError, "'gzip-99': the gzip level must be an integer from 0 to 9"),
+    ({"compression": "zstd-abc"}, InvalidArgumentError, "'zstd-abc': the zstd level"),
+    ({"compression": "lzf-3"}, InvalidArgumentError, "lzf has no level"),
+    ({"mlflow_run_id": "not an id!"}, InvalidArgumentError, "MLflow run id 'not an id!' is not valid"),
 ])
 def test_bad_recorder_arguments(tmp_path, kwargs, error, match):
+    """Refused before anything is created: the same directory works at once with good arguments
+    (a refused MLflow run id used to leave the run directory locked by a live writer)."""
     with pytest.raises(error, match=match):
         Recorder(tmp_path / "r", **kwargs)
+    Recorder(tmp_path / "r").close()
+
+
+def test_numpy_ints_and_json_like_meta_are_taken(tmp_path):
+    rec = Recorder(tmp_path / "r", every=np.int64(2), meta={"lr": np.float32(0.5), "sizes": np.arange(3),
+                                                           "t": torch.tensor(1.5), "nested": {"a": [1, None]}})
+    assert rec.every == 2 and type(rec.every) is int
+    rec.close()
+    with open_run(tmp_path / "r") as run:
+        assert run.meta["lr"] == 0.5 and run.meta["sizes"] == [0, 1, 2] and run.meta["t"] == 1.5
+        assert run.meta["nested"] == {"a": [1, None]} and run.meta["every"] == 2
+
+
+@pytest.mark.parametrize("call, error, match", [
+    (lambda rec: rec.set_step(1.0), HookTypeError, "step must be an int, got float 1.0"),
+    (lambda rec: rec.set_step(torch.tensor(3)), HookTypeError, "step must be an int, got Tensor"),
+    (lambda rec: rec.set_step(-1), InvalidArgumentError, "non-negative"),
+    (lambda rec: rec.hook("outputs", batch_slice="4"), HookTypeError, "batch_slice must be an int.*got str '4'"),
+    (lambda rec: rec.hook("outputs", batch_slice=0), InvalidArgumentError, "positive"),
+    (lambda rec: rec.hook("outputs", dtype="bfloat16"), HookTypeError, "torch dtype .*got str 'bfloat16'"),
+    (lambda rec: rec.hook("outputs", dtype=torch.int8), InvalidArgumentError, "floating"),
+])
+def test_bad_types_are_type_errors_and_bad_values_value_errors(tmp_path, call, error, match):
+    rec = Recorder(tmp_path / "r")
+    with pytest.raises(error, match=match):
+        call(rec)
+    rec.close()
+
+
+def test_a_directory_holding_a_run_is_refused_unless_resumed(tmp_path):
+    from hookline.storage import RunExistsError
+
+    m, mgr, rec = recorded_identity(tmp_path)
+    with rec.step(0):
+        m(torch.ones(1))
+    rec.close()
+    with pytest.raises(RunExistsError, match="already holds a run .*resume=True") as ei:
+        Recorder(tmp_path / "r")
+    assert isinstance(ei.value, FileExistsError)
+    rec = Recorder(tmp_path / "r", resume=True)
+    mgr.register_forward_hook(rec.outputs, m=m)
+    with rec.step(1):
+        m(torch.ones(1))
+    rec.close()
+    with open_run(tmp_path / "r") as run:
+        assert steps_calls(run, "outputs[m]") == [(0, 0), (1, 0)]
+
+
+def test_a_hook_name_reused_with_other_options_is_refused(tmp_path):
+    """Its records would be mixed into the handle under the first registration's metadata."""
+    m = nn.Identity()
+    mgr = HookManager()
+    rec = Recorder(tmp_path / "r")
+    mgr.register_forward_hook(rec.hook("outputs", mode="stats", name="o"), m=m)
+    with rec.step(0):
+        m(torch.ones(2))
+    mgr.remove_all_hooks()
+    with pytest.raises(InvalidArgumentError, match=r"handle 'o\[m\]' already records with mode='stats'.*mode='tensor'"):
+        mgr.register_forward_hook(rec.hook("outputs", name="o"), m=m)
+    mgr.register_forward_hook(rec.hook("outputs", mode="stats", name="o"), m=m)  # the same options: continues
+    with rec.step(1):
+        m(torch.ones(2))
+    rec.close()
+    with open_run(tmp_path / "r") as run:
+        assert steps_calls(run, "o[m]") == [(0, 0), (1, 0)]
 
 
 @pytest.mark.parametrize("kwargs", [
@@ -424,3 +501,28 @@ def test_a_recorder_dropped_without_close_still_writes_its_records(tmp_path, cap
         assert run["outputs[lin]"].steps.tolist() == list(range(10))
         assert run.status == "closed"
     assert "garbage-collected without close()" in caplog.text
+
+
+@pytest.mark.parametrize("second", ["other manager", "other name"])
+def test_one_recorder_hook_twice_on_a_module_is_refused(tmp_path, second):
+    """Its firings cannot be told apart: they used to land under the second handle, and removing
+    it broke the first."""
+    lin = nn.Linear(2, 2)
+    mgr = HookManager()
+    rec = Recorder(tmp_path / "r")
+    mgr.register_forward_hook(rec.outputs, lin=lin)
+    other = HookManager() if second == "other manager" else mgr
+    kw = {"hook_fn_name": "outputs2"} if second == "other name" else {}
+    with pytest.raises(InvalidArgumentError, match=r"already registered on this module as 'outputs\[lin\]'.*rec.hook\('outputs', name='outputs2'\)"):
+        other.register_forward_hook(rec.outputs, lin=lin, **kw)
+    assert len(lin._forward_hooks) == 1  # rolled back: only the first manager's torch hook
+    other.register_forward_hook(rec.hook("outputs", name="outputs2"), lin=lin)  # the way that works
+    with rec.step(0):
+        lin(torch.zeros(2))
+    other.remove_hook_function(other.name_to_hookfn["outputs2"])
+    with rec.step(1):
+        lin(torch.zeros(2))
+    rec.close()
+    with open_run(tmp_path / "r") as run:
+        assert steps_calls(run, "outputs[lin]") == [(0, 0), (1, 0)]
+        assert steps_calls(run, "outputs2[lin]") == [(0, 0)]

@@ -14,6 +14,7 @@ BUILTIN = {
     "HookOutputError": ValueError,
     "HookFunctionError": RuntimeError,
     "StorageError": OSError,
+    "RunExistsError": FileExistsError,
     "WriterClosedError": ValueError,
     "FormatError": ValueError,
     "RecordIndexError": IndexError,
