@@ -20,7 +20,7 @@ from hookline.storage.errors import HooklineError
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-__all__ = ["HooklineGroup", "one_line", "translate", "translate_errors"]
+__all__ = ["HooklineGroup", "OneLineUsageError", "one_line", "translate", "translate_errors"]
 
 
 def one_line(text: str) -> str:
@@ -75,9 +75,28 @@ def _show_warning(message: Any, category: type, filename: str, lineno: int, file
     click.echo(f"warning: {one_line(str(message)).removeprefix('hookline: ')}", err=True)
 
 
+class OneLineUsageError(click.ClickException):
+    """A usage error (bad option value, missing argument, unknown command) as one line on stderr,
+    ``Error: <click's message> (see 'hookline <command> --help')``, exit code 2."""
+
+    exit_code = 2
+
+    @classmethod
+    def of(cls, e: click.UsageError) -> OneLineUsageError:
+        path = e.ctx.command_path if e.ctx is not None else "hookline"
+        return cls(f"{one_line(e.format_message())} (see '{path} --help')")
+
+
 class HooklineGroup(click.Group):
-    """The ``hookline`` group: library errors in any subcommand become one-line messages, and
-    Python warnings one-line ``warning:`` messages."""
+    """The ``hookline`` group: library errors and usage errors in any subcommand become
+    one-line messages, and Python warnings one-line ``warning:`` messages."""
+
+    def make_context(self, info_name: str | None, args: list[str], parent: click.Context | None = None,
+                     **extra: Any) -> click.Context:
+        try:
+            return super().make_context(info_name, args, parent=parent, **extra)
+        except click.UsageError as e:  # the group's own options
+            raise OneLineUsageError.of(e) from e
 
     def invoke(self, ctx: click.Context) -> Any:
         saved = warnings.showwarning
@@ -85,6 +104,8 @@ class HooklineGroup(click.Group):
             warnings.showwarning = _show_warning
         try:
             return super().invoke(ctx)
+        except click.UsageError as e:  # a subcommand's arguments, or an unknown command
+            raise OneLineUsageError.of(e) from e
         except Exception as e:
             ce = None if _debug() else translate(e)
             if ce is None:

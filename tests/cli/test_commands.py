@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -30,9 +31,10 @@ def fails(runner, *args, quoted: str | None = None, code: int | None = None):
     assert res.exception is None or isinstance(res.exception, SystemExit), repr(res.exception)
     err = res.stderr.strip()
     assert "Traceback" not in res.stderr and "Traceback" not in res.stdout
-    assert err.startswith(("Error:", "Usage:")), err
-    if code != 2:  # usage errors print the usage line first
-        assert len(err.splitlines()) == 1, err
+    assert err.startswith("Error:"), err
+    assert len(err.splitlines()) == 1, err  # usage errors too (SPEC §6: one line on stderr)
+    if res.exit_code == 2:
+        assert re.search(r"\(see '\w+( \w+)? --help'\)$", err), err  # (the runner's prog name is 'cli')
     if quoted is not None:
         assert quoted in err, err
     return res

@@ -85,3 +85,20 @@ def test_relative_links_resolve(page):
         if "://" in target:
             continue
         assert (ROOT / "docs" / target).exists(), f"{page} links to missing {target}"
+
+
+def test_group_options_documented():
+    text = CLI_MD.read_text(encoding="utf-8")
+    for p in cli.params:
+        if isinstance(p, click.Option) and "--help" not in p.opts:
+            for opt in p.opts:
+                assert f"`{opt}`" in text or opt in text, f"docs/cli.md does not document hookline {opt}"
+
+
+@pytest.mark.parametrize("args", [["export", "x", "y", "z", "--format", "npz"], ["nosuch"], ["--bad"],
+                                  ["compare", "a"], ["runs", "--max-results", "0"]])
+def test_usage_errors_are_one_line(cli_runner, args):
+    res = cli_runner.invoke(cli, args)
+    assert res.exit_code == 2
+    err = res.stderr.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("Error: ") and err.endswith("--help')"), err
