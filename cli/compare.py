@@ -67,8 +67,10 @@ def nonfinite_note(r: Any, metrics: Sequence[str]) -> str | None:
     """A note when some compared steps gave no finite value (a zero or NaN record)."""
     import numpy as np
 
-    n = len(r.steps)
-    bad = {m: int((~np.isfinite(np.asarray(r.values.get(m, ()), float))).sum()) for m in metrics}
+    compared = np.ones(len(r.steps), bool)
+    compared[list(r.mismatch_positions)] = False  # skipped for their shapes: said by the message
+    n = int(compared.sum())
+    bad = {m: int((~np.isfinite(np.asarray(r.values.get(m, ()), float)[compared])).sum()) for m in metrics}
     bad = {m: k for m, k in bad.items() if k}
     if not n or not bad:
         return None

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import os
 from typing import Any
 
 import click
@@ -46,29 +45,10 @@ def _steps(obj: Any) -> np.ndarray:
     return np.asarray(s if s is not None else [], np.int64)
 
 
-def _meta(handle: Any) -> dict:
-    m = getattr(handle, "meta", None)
-    return m if isinstance(m, dict) else {}
-
-
 def handle_bytes(handle: Any) -> int | None:
-    """Bytes on disk of one handle (its files' sizes when local, else the manifest's count of
-    field bytes, which leaves out HDF5 metadata and indexes)."""
-    for attr in ("file_bytes", "nbytes", "bytes", "size"):
-        v = getattr(handle, attr, None)
-        if isinstance(v, (int, np.integer)):
-            return int(v)
-    for attr in ("path", "file"):
-        p = getattr(handle, attr, None)
-        if p is not None and os.path.isfile(str(p)):
-            return os.path.getsize(str(p))
-    m = getattr(handle, "manifest", None)
-    if not isinstance(m, dict):
-        m = _meta(handle)
-    for key in ("bytes", "nbytes"):
-        if isinstance(m.get(key), (int, np.integer)):
-            return int(m[key])
-    return None
+    """Bytes on disk of one handle: its files' sizes (for an MLflow run, the artifacts' sizes
+    MLflow lists), else None."""
+    return handle.file_bytes
 
 
 def handle_info(run: Any, hid: str) -> dict[str, Any]:
@@ -162,7 +142,7 @@ def show(run: str, handle: str | None, as_json: bool, quiet: bool, tracking_uri:
     """Show the handles, fields, dtypes, shapes, records, steps and bytes of a run.
 
     With HANDLE, also per-field statistics over all records (streamed): element min, max and
-    mean, and the per-record L2 norm (mean, min, max, last). RUN is a run directory,
+    mean, and the per-record L2 norm (mean, max, last; --json adds min). RUN is a run directory,
     runs:/<id>, or an MLflow run id. A ragged field (shape varies across records) shows its
     shape as "ragged".
 

@@ -404,6 +404,8 @@ def compare_fields(
     if res.shape_a is not None and res.shape_b is not None:
         if res.shape_a != res.shape_b:
             res.status = "shape_mismatch"
+            res.mismatched = len(steps)  # every common pair skipped: its shapes differ
+            res.mismatch_positions = list(range(len(steps)))
             res.message = f"record shapes differ: {list(res.shape_a)} in run A vs {list(res.shape_b)} in run B"
             if progress:
                 progress(len(steps))

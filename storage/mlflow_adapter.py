@@ -1193,6 +1193,14 @@ class MlflowSource:
                 return local
             return self._download(apath)
 
+    def size(self, rel: str) -> int | None:
+        """Size in bytes of a file of the run directory as MLflow lists it (no download), or
+        None when MLflow does not say or the file is not there."""
+        apath = f"{self.root}/{Path(rel).as_posix()}"
+        folder, name = apath.rsplit("/", 1)
+        with self._lock:
+            return self._listing(folder).get(name)
+
 
 def mlflow_source(uri: str, *, tracking_uri: str | None = None,
                   cache_dir: str | os.PathLike | None = None) -> MlflowSource:

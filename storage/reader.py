@@ -65,6 +65,13 @@ class LocalSource:
         """Local path of a file of the run."""
         return self.root / rel
 
+    def size(self, rel: str) -> int | None:
+        """Size in bytes of a file of the run, or None when it is not there."""
+        try:
+            return os.path.getsize(self.root / rel)
+        except OSError:
+            return None
+
     def discover(self, key: str, suffix: str) -> Discovery:
         """The handle's complete files (final and sealed segments) in record order."""
         return discover_files(self.root, key, suffix)
@@ -320,16 +327,18 @@ class Handle:
 
     @property
     def file_bytes(self) -> int | None:
-        """Bytes on disk of the handle's files (its final file and sealed segments), or None
-        when they are not local (an MLflow run read through its cache) or not there."""
-        if not isinstance(self.run.source, LocalSource):
+        """Bytes on disk of the handle's files (its final file and sealed segments; for an MLflow
+        run, the sizes of those artifacts, without downloading them), or None when a size is not
+        known."""
+        size = getattr(self.run.source, "size", None)
+        if size is None:
             return None
         total = 0
         for rel in [r.rel for r in self._files] + self._damaged:
-            try:
-                total += os.path.getsize(self.run.source.path(rel))
-            except OSError:
+            n = size(rel)
+            if n is None:
                 return None
+            total += n
         return total
 
     @property

@@ -185,6 +185,9 @@ def test_compare_filters(cli_runner, runs):
 def test_compare_reports_problems_without_failing(cli_runner, runs, tmp_path):
     res = ok(cli_runner, "compare", runs["a"], runs["wide"], "--handle", "outputs[*]", "--plot", tmp_path / "p.png")
     assert "shape mismatch" in res.stdout and "[16]" not in res.stdout or "16" in res.stdout
+    assert "no finite value" not in res.stdout  # skipped for their shapes, not for zeros or NaN
+    res = ok(cli_runner, "compare", runs["ragged_a"], runs["ragged_b"])
+    assert "ok, 1 skipped" in res.stdout and "no finite value" not in res.stdout
     res = ok(cli_runner, "compare", runs["a"], runs["offset"], "--handle", "grads[*]")
     assert "no common steps" in res.stdout
     res = ok(cli_runner, "compare", runs["a"], runs["twice_a"])
@@ -388,6 +391,9 @@ def test_runs_sync_and_mlflow_uris(cli_runner, sqlite_tracking_uri, tmp_path, re
     # RUN as runs:/ID and as a bare id
     d = json.loads(ok(cli_runner, "show", f"runs:/{r1}", "--json").stdout)
     assert {h["handle"] for h in d["handles"]} >= {"grads[fc1]", "outputs[head]"}
+    local_d = json.loads(ok(cli_runner, "show", tmp_path / "r1", "--json").stdout)
+    sizes = [{h["handle"]: h["bytes"] for h in x["handles"]} for x in (d, local_d)]
+    assert sizes[0] == sizes[1] and min(sizes[0].values()) > 2000  # files' bytes, not the fields' count
     d = json.loads(ok(cli_runner, "compare", r1, f"runs:/{r2}", "--json", "--tracking-uri", sqlite_tracking_uri).stdout)
     assert all(r["status"] == "ok" for r in d["results"])
     ok(cli_runner, "export", r1, "grads[fc1]", "grad_out.0", "--format", "npy", "--out", tmp_path / "m.npy")

@@ -67,6 +67,7 @@ def test_shape_mismatch_is_reported(runs):
     (r,) = res.results
     assert r.status == "shape_mismatch"
     assert "16" in r.message and "24" in r.message
+    assert r.mismatched == len(r.steps) > 0  # every common pair skipped (was 0)
     # head outputs have the same shape: still compared
     assert compare_runs(runs["a"], runs["wide"], handles="outputs[head]").results[0].status == "ok"
 
