@@ -110,6 +110,24 @@ def _check_step(n: Any) -> int:
     return int(n)
 
 
+#: ``steps=`` longer than this are summarised in the run metadata (which every handle file and
+#: the manifest carry) instead of listed.
+_STEPS_LISTED = 256
+
+
+def _steps_meta(steps: frozenset[int] | None) -> list[int] | dict[str, Any] | None:
+    """The ``steps`` run metadata: the sorted list, or for long ones ``{"count", "first", "last",
+    "stride"}`` (``stride`` when they are evenly spaced, else None)."""
+    if steps is None:
+        return None
+    ordered = sorted(steps)
+    if len(ordered) <= _STEPS_LISTED:
+        return ordered
+    stride = ordered[1] - ordered[0]
+    even = all(b - a == stride for a, b in zip(ordered, ordered[1:]))
+    return {"count": len(ordered), "first": ordered[0], "last": ordered[-1], "stride": stride if even else None}
+
+
 #: Run metadata keys the recorder writes itself (a user's ``meta=`` may not override them).
 _OWN_META = ("torch_version", "every", "steps", "mlflow_run_id")
 
@@ -218,8 +236,8 @@ class Recorder:
         mlflow_run_id = broadcast_run_id(self._dist, mlflow_run_id)
         self.mlflow_run_id = mlflow_run_id
         self.tracking_uri = tracking_uri
-        run_meta = {"torch_version": torch.__version__, "every": every,
-                    "steps": sorted(steps) if steps is not None else None, **(meta or {})}
+        run_meta = {"torch_version": torch.__version__, "every": every, "steps": _steps_meta(steps),
+                    **(meta or {})}
         if mlflow_run_id is not None:
             run_meta["mlflow_run_id"] = mlflow_run_id
         self._mlflow = None

@@ -526,3 +526,15 @@ def test_one_recorder_hook_twice_on_a_module_is_refused(tmp_path, second):
     with open_run(tmp_path / "r") as run:
         assert steps_calls(run, "outputs[lin]") == [(0, 0), (1, 0)]
         assert steps_calls(run, "outputs2[lin]") == [(0, 0)]
+
+
+def test_long_steps_are_summarised_in_the_metadata(tmp_path):
+    rec = Recorder(tmp_path / "r", steps=range(0, 10**6, 10))
+    assert rec.is_sampled(999_990) and not rec.is_sampled(5)
+    rec.close()
+    short = Recorder(tmp_path / "s", steps=[7, 3, 5])
+    short.close()
+    with open_run(tmp_path / "r") as run, open_run(tmp_path / "s") as s:
+        assert run.meta["steps"] == {"count": 100_000, "first": 0, "last": 999_990, "stride": 10}
+        assert s.meta["steps"] == [3, 5, 7]
+    assert (tmp_path / "r" / "manifest.json").stat().st_size < 10_000  # was 0.8 MB, in every file too
