@@ -87,6 +87,18 @@ class OneLineUsageError(click.ClickException):
         return cls(f"{one_line(e.format_message())} (see '{path} --help')")
 
 
+# click >= 8.2 raises this UsageError subclass for a bare ``hookline`` (``no_args_is_help``); its
+# message is the whole formatted help, which must reach the user as-is, not collapsed.
+_HELP_ERRORS: tuple[type[BaseException], ...] = tuple(
+    t for t in (getattr(click.exceptions, "NoArgsIsHelpError", None),) if t is not None
+)
+
+
+def _usage(e: click.UsageError) -> click.ClickException:
+    """The exception to raise for click's usage error ``e``."""
+    return e if isinstance(e, _HELP_ERRORS) else OneLineUsageError.of(e)
+
+
 class HooklineGroup(click.Group):
     """The ``hookline`` group: library errors and usage errors in any subcommand become
     one-line messages, and Python warnings one-line ``warning:`` messages."""
@@ -96,7 +108,10 @@ class HooklineGroup(click.Group):
         try:
             return super().make_context(info_name, args, parent=parent, **extra)
         except click.UsageError as e:  # the group's own options
-            raise OneLineUsageError.of(e) from e
+            u = _usage(e)
+            if u is e:
+                raise
+            raise u from e
 
     def invoke(self, ctx: click.Context) -> Any:
         saved = warnings.showwarning
@@ -105,7 +120,10 @@ class HooklineGroup(click.Group):
         try:
             return super().invoke(ctx)
         except click.UsageError as e:  # a subcommand's arguments, or an unknown command
-            raise OneLineUsageError.of(e) from e
+            u = _usage(e)
+            if u is e:
+                raise
+            raise u from e
         except Exception as e:
             ce = None if _debug() else translate(e)
             if ce is None:

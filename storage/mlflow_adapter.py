@@ -586,7 +586,12 @@ class MlflowAdapter:
 
     def __init__(self, run_id: str, tracking_uri: str | None = None, rank: int | None = None, *,
                  max_workers: int = 4, upload_on_submit: bool = False) -> None:
-        if not isinstance(run_id, str) or not re.fullmatch(r"[\w\-]+", run_id or ""):
+        if not isinstance(run_id, str):
+            raise HookTypeError(
+                f"MLflow run id must be a str (the 32-hex id of an existing run), got "
+                f"{type(run_id).__name__} {run_id!r:.60}"
+            )
+        if not re.fullmatch(r"[\w\-]+", run_id):
             raise InvalidArgumentError(
                 f"MLflow run id {run_id!r} is not valid: pass the 32-hex id of an existing run "
                 "(e.g. mlflow.start_run().info.run_id or `mlflow runs list`)"

@@ -16,6 +16,7 @@ import errno as _errno
 import fnmatch
 import json
 import math
+import numbers
 import operator
 import os
 import re
@@ -93,13 +94,16 @@ class HandleStats:
         records: records accepted by :meth:`RunWriter.write` (queued or on disk).
         bytes: field bytes of those records.
         dropped: records dropped by policy ``"drop"``.
-        flushed: records durably on disk (sealed by a flush / auto-flush / close).
+        flushed: records durably on disk (sealed by a flush / auto-flush / close), including
+            ``start``.
+        start: records a continued run held before this writer opened it (0 for a new run).
     """
 
     records: int = 0
     bytes: int = 0
     dropped: int = 0
     flushed: int = 0
+    start: int = 0
 
 
 @dataclass
@@ -319,7 +323,10 @@ class RunWriter:
     ) -> None:
         if policy not in _POLICIES:
             raise InvalidArgumentError(f"policy must be 'block' or 'drop', got {policy!r}")
-        if isinstance(max_buffer_mb, bool) or not isinstance(max_buffer_mb, (int, float)) or not max_buffer_mb > 0:
+        if isinstance(max_buffer_mb, bool) or not isinstance(max_buffer_mb, numbers.Real):
+            raise HookTypeError(f"max_buffer_mb must be a number of MB, got {type(max_buffer_mb).__name__} "
+                                f"{max_buffer_mb!r:.60}")
+        if not 0 < max_buffer_mb < float("inf"):
             raise InvalidArgumentError(f"max_buffer_mb must be a positive number, got {max_buffer_mb!r}")
         if world_size is not None and (not isinstance(world_size, int) or world_size < 1):
             raise InvalidArgumentError(f"world_size must be a positive int or None, got {world_size!r}")
@@ -336,6 +343,7 @@ class RunWriter:
         self._compression = self._check_compression(compression)
         self._writeback_bytes = int((writeback_mb or 0) * (1 << 20))
         self._writeback = Writeback(self._writeback_bytes)  # shared by the open segments (writer thread)
+        self.meta = json_meta(meta, "run meta")  # before anything is created
         self.run_dir = Path(run_dir)
         try:
             self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -344,7 +352,6 @@ class RunWriter:
         self.rank, self.world_size = rank, world_size
         self.policy = policy
         self.max_buffer_bytes = int(max_buffer_mb * (1 << 20))
-        self.meta = json_meta(meta, "run meta")
         self.autoflush_s = autoflush_s
         self.merge_on_close = merge_on_close
         self.fsync = fsync
@@ -418,7 +425,9 @@ class RunWriter:
         specs = c.values() if isinstance(c, Mapping) else [c]
         for s in specs:
             if s is not None and not isinstance(s, str):
-                raise InvalidArgumentError(f"compression must be None, a string or a mapping, got {s!r}")
+                raise HookTypeError(
+                    f"compression must be None, a name such as 'gzip' or 'zstd-3', or a mapping of field "
+                    f"patterns to names, got {type(s).__name__} {s!r:.60}")
             compression_kwargs(s)  # raises for unknown names / missing hdf5plugin
         return dict(c) if isinstance(c, Mapping) else c
 
@@ -465,7 +474,7 @@ class RunWriter:
             else:
                 old_meta = old.info["meta"] if old is not None else None
             if isinstance(old_meta, dict):
-                changed = {k: (old_meta[k], v) for k, v in new_meta.items() if k in old_meta and old_meta[k] != v}
+                changed = {k: (old_meta[k], v) for k, v in new_meta.items() if k in old_meta and _differs(old_meta[k], v)}
                 if changed:
                     raise InvalidArgumentError(
                         f"handle {handle_id!r} already records with {', '.join(f'{k}={a!r}' for k, (a, _) in changed.items())}"
@@ -606,31 +615,43 @@ class RunWriter:
             UnknownNameError, InvalidArgumentError, HookTypeError: as :meth:`write` would.
         """
         h = self._open_handle(handle_id)
+        new: list[tuple[str, str, int]] = []
         for name, (dn, shape) in fields.items():
             dtypes.info(dn)
-            self._check_field(h, name, dn, tuple(shape))
+            if self._check_field(h, name, dn, tuple(shape)):
+                new.append((name, dn, len(shape)))
+        self._register_fields(h, new)
 
-    def _check_field(self, h: _Handle, name: str, dn: str, shape: tuple[int, ...]) -> None:
+    def _check_field(self, h: _Handle, name: str, dn: str, shape: tuple[int, ...]) -> bool:
         """Refuse a field whose name is invalid, or whose dtype or ndim differs from its first
-        record's; register a new field."""
+        record's. Returns whether the field is new (to register once the whole record passed:
+        a refused record must leave no trace)."""
         ndim = len(shape)
         if name not in h.known:
             try:
                 check_field_name(name)
             except InvalidArgumentError as e:
                 raise InvalidArgumentError(f"handle {h.id!r}: {e}") from None
-            with self._cond:
-                h.field_dtype.setdefault(name, dn)
-                h.field_ndim.setdefault(name, ndim)
-                h.known.add(name)
+            if name not in h.field_dtype:  # a continued run knows its fields' dtypes already
+                return True
         if h.field_dtype[name] != dn:
             raise InvalidArgumentError(
                 f"field {name!r} of {h.id!r} changed dtype from {h.field_dtype[name]} to {dn}; "
                 f"a field keeps one dtype (use another field name)")
-        if h.field_ndim[name] != ndim:
+        if h.field_ndim.get(name, ndim) != ndim:
             raise InvalidArgumentError(
                 f"field {name!r} of {h.id!r} changed ndim from {h.field_ndim[name]} to {ndim} "
                 f"(record shape {shape}); a field keeps its number of dimensions")
+        return name not in h.known
+
+    def _register_fields(self, h: _Handle, new: list[tuple[str, str, int]]) -> None:
+        """Register the new fields ``(name, dtype_name, ndim)`` of an accepted record."""
+        if new:
+            with self._cond:
+                for name, dn, ndim in new:
+                    h.field_dtype.setdefault(name, dn)
+                    h.field_ndim.setdefault(name, ndim)
+                    h.known.add(name)
 
     def _put(self, h: _Handle, steps: list[int], calls: list[int], fields: Mapping[str, FieldValue],
              k: int | None) -> bool:
@@ -640,6 +661,7 @@ class RunWriter:
             raise HookTypeError(f"fields must be a mapping of field name -> array, got {type(fields).__name__}")
         lead = 0 if k is None else 1
         norm_fields: dict[str, tuple[np.ndarray, str]] = {}
+        new: list[tuple[str, str, int]] = []
         nbytes = 0
         for name, v in fields.items():
             if type(v) is tuple:
@@ -664,9 +686,11 @@ class RunWriter:
                 raise InvalidArgumentError(
                     f"field {name!r} of {handle_id!r}: a block of {k} records needs arrays of shape "
                     f"({k}, ...), got shape {arr.shape}")
-            self._check_field(h, name, dn, arr.shape[lead:])
+            if self._check_field(h, name, dn, arr.shape[lead:]):
+                new.append((name, dn, arr.ndim - lead))
             norm_fields[name] = (arr if lead else arr[None], dn)
             nbytes += arr.nbytes
+        self._register_fields(h, new)
         n = len(steps)
         with self._cond:
             if self._error is not None:
@@ -715,6 +739,10 @@ class RunWriter:
         return True
 
     # --- control ------------------------------------------------------------------------------------
+    def on_own_thread(self) -> bool:
+        """Whether the calling thread is one of the writer's own (which must not wait for it)."""
+        return threading.current_thread() in (self._thread, self._compactor)
+
     def _check_open(self) -> None:
         if self._closed or self._closing:
             raise WriterClosedError(f"RunWriter for {str(self.run_dir)!r} is closed; create a new writer")
@@ -950,7 +978,7 @@ class RunWriter:
             # lock, so no merge is running on them.
             (self.run_dir / rel_name).unlink(missing_ok=True)
         h.next_record = parts.end
-        h.stats.flushed = parts.end
+        h.stats.flushed = h.stats.start = parts.end
         self._dirty = True
 
     def _open_segment(self, h: _Handle) -> _OpenSeg:
@@ -1363,6 +1391,11 @@ class RunWriter:
         atomic_write_json(self._manifest_path, m, fsync=self.fsync)
         self._dirty = False
         self._current_path = None
+
+
+def _differs(a: Any, b: Any) -> bool:
+    """Whether two JSON metadata values differ (NaN == NaN here: compared as JSON text too)."""
+    return a != b and json.dumps(a, sort_keys=True) != json.dumps(b, sort_keys=True)
 
 
 def json_meta(meta: Mapping[str, Any] | None, what: str) -> dict[str, Any]:

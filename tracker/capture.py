@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from hookline.storage.errors import HookTypeError, InvalidArgumentError
@@ -45,17 +46,24 @@ class CaptureOptions:
     stats: StatsSpec | None = None
 
     def __post_init__(self) -> None:
+        for arg, v in (("kind", self.kind), ("mode", self.mode)):
+            if not isinstance(v, str):
+                raise HookTypeError(f"capture {arg} must be a str, got {type(v).__name__} {v!r:.60}")
         if self.kind not in KIND_CATEGORIES:
             raise InvalidArgumentError(
                 f"unknown capture kind {self.kind!r}; use one of {sorted(KIND_CATEGORIES)}"
             )
         if self.mode not in _MODES:
             raise InvalidArgumentError(f"unknown capture mode {self.mode!r}; use 'tensor' or 'stats'")
-        if self.batch_slice is not None and (isinstance(self.batch_slice, bool) or not isinstance(self.batch_slice, int)):
+        if self.batch_slice is not None and (
+            isinstance(self.batch_slice, bool) or not isinstance(self.batch_slice, (int, np.integer))
+        ):
             raise HookTypeError(
                 f"batch_slice must be an int (keep the first K items), got {type(self.batch_slice).__name__} "
                 f"{self.batch_slice!r:.60}"
             )
+        if self.batch_slice is not None:
+            object.__setattr__(self, "batch_slice", int(self.batch_slice))  # numpy ints too
         if self.batch_slice is not None and self.batch_slice < 1:
             raise InvalidArgumentError(
                 f"batch_slice must be a positive int (keep the first K items), got {self.batch_slice!r}"

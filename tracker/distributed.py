@@ -6,14 +6,14 @@ collectives run at Recorder construction and close, never inside hooks.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
 
 from hookline.storage.errors import InvalidArgumentError
 
-__all__ = ["DistInfo", "detect", "broadcast_run_id", "check_same_handles"]
+__all__ = ["DistInfo", "detect", "broadcast_run_id", "check_same_handles", "gather"]
 
 
 class DistInfo:
@@ -80,6 +80,15 @@ def broadcast_run_id(info: DistInfo, run_id: str | None) -> str | None:
             + "; pass the id on rank 0 only (the others receive it) or the same id everywhere"
         )
     return main_id
+
+
+def gather(info: DistInfo, value: Any) -> list[Any]:
+    """Every rank's ``value`` (rank order) under a process group, else ``[value]``."""
+    if not info.collective:
+        return [value]
+    gathered: list[Any] = [None] * int(info.world_size or 1)
+    dist.all_gather_object(gathered, value)
+    return gathered
 
 
 def check_same_handles(info: DistInfo, handle_ids: Sequence[str]) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import numbers
 import os
 import threading
 import time
@@ -16,13 +17,20 @@ from typing import Any, Iterable, Iterator, Mapping
 import numpy as np
 import torch
 
-from hookline.storage.errors import HookTypeError, InvalidArgumentError, RunExistsError, WriterClosedError
-from hookline.storage.format import MAX_STEP, manifest_name
+from hookline.storage.errors import (
+    DuplicateNameError,
+    HookTypeError,
+    InvalidArgumentError,
+    RunExistsError,
+    StorageError,
+    WriterClosedError,
+)
+from hookline.storage.format import MANIFEST_RE, MAX_STEP, manifest_name, read_manifest
 from hookline.storage.writer import RunWriter, WriterStats, weak_closer
 
 from .capture import CaptureHook, CaptureOptions, _Binding, field_tensors
 from .convert import BufferPool
-from .distributed import broadcast_run_id, check_same_handles, detect
+from .distributed import broadcast_run_id, check_same_handles, detect, gather
 from .packer import BlockPacker
 from .stats import SCALAR_STATS, StatsSpec
 
@@ -41,7 +49,8 @@ class HandleSummary:
     dropped: int = 0
     hook_seconds: float = 0.0
     skipped_fields: list[str] = field(default_factory=list)
-    #: Records durably on disk (flushed); equals ``records`` after a successful close.
+    #: Records of this recorder durably on disk (flushed); equals ``records`` after a successful
+    #: close (a resumed run's earlier records are not counted, as in ``records``).
     on_disk: int = 0
 
 
@@ -219,11 +228,15 @@ class Recorder:
                 raise InvalidArgumentError(
                     f"meta key {own[0]!r} is written by the recorder itself ({', '.join(_OWN_META)}); "
                     f"rename yours (e.g. 'user_{own[0]}')")
-        if (isinstance(max_buffer_mb, bool) or not isinstance(max_buffer_mb, (int, float))):
+        if isinstance(max_buffer_mb, bool) or not isinstance(max_buffer_mb, numbers.Real):
             raise HookTypeError(f"max_buffer_mb must be a number of MB, got {type(max_buffer_mb).__name__} "
                                 f"{max_buffer_mb!r:.60}")
         if not 0 < max_buffer_mb < float("inf"):
             raise InvalidArgumentError(f"max_buffer_mb must be a positive number, got {max_buffer_mb!r}")
+        max_buffer_mb = float(max_buffer_mb)
+        for arg, v in (("mlflow_run_id", mlflow_run_id), ("tracking_uri", tracking_uri)):
+            if v is not None and not isinstance(v, str):
+                raise HookTypeError(f"{arg} must be a str or None, got {type(v).__name__} {v!r:.60}")
         self.every = every
         self.steps = steps
         self.run_dir = Path(run_dir)
@@ -247,11 +260,14 @@ class Recorder:
             # Validates the id before anything is created; mlflow itself is imported on the
             # adapter's own thread.
             self._mlflow = MlflowAdapter(mlflow_run_id, tracking_uri=tracking_uri, rank=rank)
-        existing = self.run_dir / manifest_name(rank, world_size)
-        if not resume and existing.exists():
-            raise RunExistsError(
-                f"{str(self.run_dir)!r} already holds a run ({existing.name}); record into a new "
-                f"directory, or pass resume=True to continue that run (e.g. after a crash)")
+        if not resume:
+            # Agreed between ranks (a collective before any rank creates a file), so every rank
+            # raises, or none does.
+            held = [h for h in gather(self._dist, _held_run(self.run_dir, rank, world_size)) if h]
+            if held:
+                raise RunExistsError(
+                    f"{str(self.run_dir)!r} already holds a run ({held[0]}); record into a new "
+                    f"directory, or pass resume=True to continue that run (e.g. after a crash)")
         # The budget covers the blocks being filled (tracker/packer.py) and the writer's queue.
         budget = int(max_buffer_mb * 2**20)
         open_bytes = min(budget // 4, 64 << 20)
@@ -272,6 +288,7 @@ class Recorder:
         self._calls: dict[str, dict[int, int]] = {}  # handle id -> step -> next call index
         self._closed = False
         self._bindings: list[tuple[CaptureHook, _Binding]] = []
+        self._owners: dict[str, weakref.ref[torch.nn.Module]] = {}  # handle id -> its module
         self._hook_seconds: dict[str, float] = {}
         self._skipped: dict[str, list[str]] = {}
         # Records are packed into chunk-sized host blocks (reused buffers: warm pages) and
@@ -325,8 +342,10 @@ class Recorder:
         Example:
             >>> mgr.register_forward_hook(rec.hook("outputs", mode="stats"), **select(model, "*"))
         """
-        if name is not None and (not isinstance(name, str) or not name):
-            raise InvalidArgumentError(f"hook name must be a non-empty str, got {name!r}")
+        if name is not None and not isinstance(name, str):
+            raise HookTypeError(f"hook name must be a str, got {type(name).__name__} {name!r:.60}")
+        if name is not None and not name:
+            raise InvalidArgumentError("hook name must be a non-empty str, got ''")
         opts = CaptureOptions(kind, mode=mode, batch_slice=batch_slice, dtype=dtype,
                               stats=self.stats_spec if mode == "stats" else None)
         return CaptureHook(self, opts, name)
@@ -419,6 +438,17 @@ class Recorder:
         if opts.mode == "stats":
             meta["stats"] = list(SCALAR_STATS) + ["hist"]
             meta["hist_edges"] = self.stats_spec.edges.tolist()
+        owner_ref = self._owners.get(binding.handle_id)
+        owner = owner_ref() if owner_ref is not None else None
+        if owner is not None and owner is not module:
+            # Two managers naming modules alike (a teacher and a student, a model and its EMA
+            # copy): one handle would silently mix two modules' records.
+            raise DuplicateNameError(
+                f"handle id {binding.handle_id!r} already records another module of this run "
+                f"({type(owner).__name__} at 0x{id(owner):x}; this one is {type(module).__name__} at "
+                f"0x{id(module):x}); give each model's registration its own hook name, e.g. "
+                f"rec.hook({opts.kind!r}, name='student_{opts.kind}')"
+            )
         self._writer.add_handle(
             binding.handle_id,
             module_name=module_name,
@@ -428,6 +458,7 @@ class Recorder:
             meta=meta,
         )
         with self._lock:
+            self._owners[binding.handle_id] = weakref.ref(module)
             self._bindings.append((hook, binding))
             self._packer.handles = len(self._bindings)  # sizes blocks: see BlockPacker.handles
             self._hook_seconds.setdefault(binding.handle_id, 0.0)
@@ -523,7 +554,7 @@ class Recorder:
             st = storage.handles.get(hid)
             handles[hid] = HandleSummary(
                 hid, st.records if st else 0, st.bytes if st else 0, st.dropped if st else 0,
-                seconds, list(self._skipped[hid]), st.flushed if st else 0,
+                seconds, list(self._skipped[hid]), st.flushed - st.start if st else 0,
             )
         return RecorderSummary(str(self.run_dir), handles, storage, self.mlflow_run_id)
 
@@ -583,6 +614,41 @@ class Recorder:
         return f"Recorder({str(self.run_dir)!r}, every={self.every}, closed={self._closed})"
 
 
+def _held_run(run_dir: Path, rank: int | None, world_size: int | None) -> str | None:
+    """What shows that ``run_dir`` already holds a run this recorder would mix into, or None.
+
+    Any manifest does (whatever its rank layout), except another rank's manifest of a run with
+    this world size (this run's own ranks, when they start at different times); so do handle
+    files without a manifest (which a writer would continue).
+    """
+    try:
+        names = sorted(p.name for p in run_dir.iterdir())
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        raise StorageError(f"cannot list run directory {str(run_dir)!r}: {e}") from e
+    mine = manifest_name(rank, world_size)
+    for name in names:
+        m = MANIFEST_RE.fullmatch(name)
+        if m is None:
+            continue
+        if name == mine or world_size is None or m.group(1) is None:
+            return name
+        try:
+            other_ws = read_manifest(run_dir / name).get("world_size")
+        except Exception:  # noqa: BLE001 - unreadable: still a run's manifest
+            return name
+        if other_ws != world_size:
+            return f"{name}, recorded with world_size={other_ws}"
+    if any(MANIFEST_RE.fullmatch(n) for n in names):
+        return None  # another rank's of this run: its files are its own
+    for pattern in ("*.h5", "*.h5seg", "*.h5seg.partial"):  # handle files live in subdirectories
+        found = next(run_dir.rglob(pattern), None)
+        if found is not None:
+            return f"{found.relative_to(run_dir)}, without a manifest"
+    return None
+
+
 def _exit_closer(rec: Recorder) -> Any:
     """The exit hook of a recorder with MLflow (threading's exit hooks run before Python joins
     the threads that are still running). While another non-daemon thread runs (training in a
@@ -626,7 +692,12 @@ def _close_collected(packer: BlockPacker, writer: RunWriter, run_dir: str) -> No
         except Exception as e:  # noqa: BLE001 - no caller left to raise to
             log.error("hookline: closing the garbage-collected Recorder for %r failed: %s", run_dir, e)
 
-    threading.Thread(target=close, name="hookline-recorder-finalizer").start()
+    if not threading.main_thread().is_alive() and not writer.on_own_thread():
+        # Collected while the interpreter exits (threading already shut down: a thread started
+        # now would not be joined and would race the writer's own exit closer): close here.
+        close()
+    else:
+        threading.Thread(target=close, name="hookline-recorder-finalizer").start()
 
 
 def _log_exit_error(rec: Recorder, e: Exception) -> None:

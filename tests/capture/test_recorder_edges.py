@@ -199,17 +199,22 @@ def test_a_handle_is_ragged_only_while_its_shape_changes(tmp_path):
     ({"compression": "zstd-abc"}, InvalidArgumentError, "'zstd-abc': the zstd level"),
     ({"compression": "lzf-3"}, InvalidArgumentError, "lzf has no level"),
     ({"mlflow_run_id": "not an id!"}, InvalidArgumentError, "MLflow run id 'not an id!' is not valid"),
+    ({"mlflow_run_id": 123}, HookTypeError, "mlflow_run_id must be a str or None, got int 123"),
+    ({"tracking_uri": 5}, HookTypeError, "tracking_uri must be a str or None, got int 5"),
+    ({"compression": 5}, HookTypeError, "compression must be None, a name .*got int 5"),
+    ({"meta": {"x": {1, 2}}}, HookTypeError, "value of 'x' \\(set"),
 ])
 def test_bad_recorder_arguments(tmp_path, kwargs, error, match):
     """Refused before anything is created: the same directory works at once with good arguments
     (a refused MLflow run id used to leave the run directory locked by a live writer)."""
     with pytest.raises(error, match=match):
         Recorder(tmp_path / "r", **kwargs)
+    assert not (tmp_path / "r").exists()
     Recorder(tmp_path / "r").close()
 
 
 def test_numpy_ints_and_json_like_meta_are_taken(tmp_path):
-    rec = Recorder(tmp_path / "r", every=np.int64(2), meta={"lr": np.float32(0.5), "sizes": np.arange(3),
+    rec = Recorder(tmp_path / "r", every=np.int64(2), max_buffer_mb=np.int64(64), meta={"lr": np.float32(0.5), "sizes": np.arange(3),
                                                            "t": torch.tensor(1.5), "nested": {"a": [1, None]}})
     assert rec.every == 2 and type(rec.every) is int
     rec.close()
@@ -226,6 +231,10 @@ def test_numpy_ints_and_json_like_meta_are_taken(tmp_path):
     (lambda rec: rec.hook("outputs", batch_slice=0), InvalidArgumentError, "positive"),
     (lambda rec: rec.hook("outputs", dtype="bfloat16"), HookTypeError, "torch dtype .*got str 'bfloat16'"),
     (lambda rec: rec.hook("outputs", dtype=torch.int8), InvalidArgumentError, "floating"),
+    (lambda rec: rec.hook(5), HookTypeError, "capture kind must be a str, got int 5"),
+    (lambda rec: rec.hook("outputs", mode=5), HookTypeError, "capture mode must be a str, got int 5"),
+    (lambda rec: rec.hook("outputs", name=5), HookTypeError, "hook name must be a str, got int 5"),
+    (lambda rec: rec.hook("outputz"), InvalidArgumentError, "unknown capture kind 'outputz'"),
 ])
 def test_bad_types_are_type_errors_and_bad_values_value_errors(tmp_path, call, error, match):
     rec = Recorder(tmp_path / "r")
@@ -251,6 +260,44 @@ def test_a_directory_holding_a_run_is_refused_unless_resumed(tmp_path):
     rec.close()
     with open_run(tmp_path / "r") as run:
         assert steps_calls(run, "outputs[m]") == [(0, 0), (1, 0)]
+
+
+@pytest.mark.parametrize("first, second", [(None, 2), (2, None), (2, 3), (None, "no manifest")])
+def test_a_directory_holding_a_run_of_another_rank_layout_is_refused(tmp_path, first, second):
+    """A single-process run and a distributed one (or one of another world size) are not mixed,
+    nor is a run whose manifest is gone (its handle files would be continued)."""
+    from hookline.storage import RunExistsError
+
+    def record(world):
+        kw = {"rank": 0, "world_size": world} if isinstance(world, int) else {}
+        m, mgr, rec = recorded_identity(tmp_path, **kw)
+        with rec.step(0):
+            m(torch.ones(1))
+        rec.close()
+
+    record(first)
+    if second == "no manifest":
+        (tmp_path / "r" / "manifest.json").unlink()
+    with pytest.raises(RunExistsError, match="already holds a run"):
+        record(second)
+
+
+def test_ranks_of_one_run_starting_at_different_times_are_not_refused(tmp_path):
+    from hookline.storage import RunExistsError
+
+    recs = []
+    for rank in range(2):  # rank 0 has flushed its manifest when rank 1 starts
+        m, mgr, rec = recorded_identity(tmp_path, rank=rank, world_size=2)
+        with rec.step(0):
+            m(torch.ones(1))
+        rec.flush()
+        recs.append(rec)
+    for rec in recs:
+        rec.close()
+    with open_run(tmp_path / "r") as run:
+        assert run.ranks == [0, 1]
+    with pytest.raises(RunExistsError, match="recorded with world_size=2"):
+        Recorder(tmp_path / "r", rank=2, world_size=3)
 
 
 def test_a_hook_name_reused_with_other_options_is_refused(tmp_path):
@@ -538,3 +585,104 @@ def test_long_steps_are_summarised_in_the_metadata(tmp_path):
         assert run.meta["steps"] == {"count": 100_000, "first": 0, "last": 999_990, "stride": 10}
         assert s.meta["steps"] == [3, 5, 7]
     assert (tmp_path / "r" / "manifest.json").stat().st_size < 10_000  # was 0.8 MB, in every file too
+
+
+def test_two_models_naming_modules_alike_cannot_share_a_handle(tmp_path):
+    """A teacher and a student (or a model and its EMA copy) hooked through two managers: their
+    modules are both named '0', and one handle 'outputs[0]' would mix their records."""
+    from hookline.storage import DuplicateNameError
+
+    teacher, student = nn.Sequential(nn.Linear(4, 8)), nn.Sequential(nn.Linear(4, 8))
+    mt, ms = HookManager(), HookManager()
+    rec = Recorder(tmp_path / "r")
+    mt.register_forward_hook(rec.outputs, **{"0": teacher[0]})
+    with pytest.raises(DuplicateNameError, match=r"'outputs\[0\]' already records another module.*"
+                                                 r"rec.hook\('outputs', name='student_outputs'\)") as ei:
+        ms.register_forward_hook(rec.outputs, **{"0": student[0]})
+    assert isinstance(ei.value, ValueError)
+    assert not student[0]._forward_hooks  # rolled back
+    ms.register_forward_hook(rec.hook("outputs", name="student"), **{"0": student[0]})
+    mt.remove_all_hooks()
+    mt.register_forward_hook(rec.outputs, **{"0": teacher[0]})  # the same module again: continues
+    x = torch.randn(3, 4)
+    with rec.step(0):
+        teacher(x), student(x)
+    rec.close()
+    with open_run(tmp_path / "r") as run:
+        assert sorted(run.handles) == ["outputs[0]", "student[0]"]
+        np.testing.assert_array_equal(run["outputs[0]"]["outputs.0"][0], teacher(x).detach().numpy())
+        np.testing.assert_array_equal(run["student[0]"]["outputs.0"][0], student(x).detach().numpy())
+
+
+class _DictOnce(nn.Module):
+    """First call: a dict with a key the writer refuses ('/'); later calls: a valid float16 dict."""
+
+    def __init__(self):
+        super().__init__()
+        self.first = True
+
+    def forward(self, x):
+        if self.first:
+            self.first = False
+            return {"logits": x.float(), "a/b": x.float()}
+        return {"logits": x.half()}
+
+
+def test_a_refused_record_leaves_no_field_registered(tmp_path):
+    """Fields checked before the bad one used to be registered: 'logits' kept float32 from a
+    record that was never written, and every later (valid, float16) record was refused."""
+    m = _DictOnce()
+    mgr = HookManager()
+    rec = Recorder(tmp_path / "r")
+    mgr.register_forward_hook(rec.outputs, m=m)
+    with rec.step(0), pytest.raises(HookFunctionError, match="invalid field name 'outputs.a/b'"):
+        m(torch.ones(2))
+    for s in (1, 2):
+        with rec.step(s):
+            m(torch.ones(2))
+    rec.close()
+    with open_run(tmp_path / "r") as run:
+        h = run["outputs[m]"]
+        assert h.steps.tolist() == [1, 2] and h["outputs.logits"].dtype == np.float16
+
+
+def test_on_disk_counts_this_session_of_a_resumed_run(tmp_path):
+    for first, n in ((0, 10), (10, 3)):
+        m, mgr, rec = recorded_identity(tmp_path, resume=first > 0)
+        for s in range(first, first + n):
+            with rec.step(s):
+                m(torch.ones(2))
+        h = rec.close().handles["outputs[m]"]
+        assert h.records == h.on_disk == n
+    with open_run(tmp_path / "r") as run:
+        assert len(run["outputs[m]"]) == 13
+
+
+def test_a_recorder_collected_at_interpreter_exit_writes_its_records(tmp_path):
+    """Collected by an exit hook that runs gc (as some libraries' do): threading has shut down,
+    so the finalizer's thread used to race the writer's exit closer and lose the open blocks."""
+    import json
+    import subprocess
+    import sys
+
+    code = f"""
+import atexit, gc, torch
+from hookline.tracker import HookManager, Recorder
+def train():
+    m = torch.nn.Linear(16, 16); mgr = HookManager()
+    rec = Recorder({str(tmp_path / 'r')!r})
+    mgr.register_forward_hook(rec.outputs, fc=m)
+    for s in range(50):
+        with rec.step(s): m(torch.randn(4, 16))
+    mgr.remove_all_hooks()  # close() forgotten: the recorder is garbage, kept by a cycle
+gc.disable()
+train()
+atexit.register(gc.collect)
+"""
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert "garbage-collected without close()" in p.stderr
+    manifest = json.loads((tmp_path / "r" / "manifest.json").read_text())
+    assert manifest["status"] == "closed" and manifest["handles"]["outputs[fc]"]["records"] == 50
+    with open_run(tmp_path / "r") as run:
+        assert run["outputs[fc]"].steps.tolist() == list(range(50))

@@ -102,3 +102,12 @@ def test_usage_errors_are_one_line(cli_runner, args):
     assert res.exit_code == 2
     err = res.stderr.strip()
     assert len(err.splitlines()) == 1 and err.startswith("Error: ") and err.endswith("--help')"), err
+
+
+def test_bare_hookline_prints_the_formatted_help(cli_runner):
+    # click's no-args help is a UsageError subclass (click >= 8.2): it must not be collapsed.
+    res = cli_runner.invoke(cli, [], prog_name="hookline")
+    out = res.stdout + res.stderr
+    assert "Usage: hookline" in out and "Commands:" in out, out
+    assert not out.startswith("Error:"), out
+    assert len(out.splitlines()) > 10

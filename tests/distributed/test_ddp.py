@@ -110,3 +110,16 @@ def test_ranks_with_different_mlflow_run_ids_fail_clearly(tmp_path):
     for r in results:  # raised on every rank, right at construction, no hang
         assert "ranks disagree on mlflow_run_id" in r.get("error", ""), r
         assert a in r["error"] and b in r["error"]
+
+
+def test_a_run_only_one_rank_would_mix_into_is_refused_on_every_rank(tmp_path):
+    """Rank 1's manifest is there (rank 0's is not): only rank 1 sees a run of its own, yet every
+    rank raises at construction (an agreed check), so none goes on to hang in a collective."""
+    from hookline.tracker import Recorder
+
+    Recorder(tmp_path / "run", rank=1, world_size=2).close()
+    results = _spawn(tmp_path, None)
+    for r in results:
+        assert r.get("error", "").startswith("RunExistsError"), r
+        assert "manifest.rank1.json" in r["error"]
+    assert not (tmp_path / "run" / "manifest.rank0.json").exists()

@@ -388,3 +388,42 @@ def test_outputs_of_a_merge_killed_midway_are_removed_by_the_next_writer(tmp_pat
     assert verify(d).ok
     with open_run(d) as run:
         assert run["a"]["x"].read()[:, 0].tolist() == list(range(21))
+
+
+def test_add_handle_with_the_same_meta_holding_nan_is_a_no_op(tmp_path):
+    """nan != nan: identical meta with a NaN used to be refused as a conflict (also on resume)."""
+    meta = {"clip": float("nan"), "note": "x"}
+    for _ in range(2):  # a new run, then the same run continued
+        w = RunWriter(tmp_path / "r")
+        w.add_handle("h", meta=meta)
+        w.add_handle("h", meta=meta)
+        w.write("h", 0, 0, {"x": np.zeros(2)})
+        w.close()
+    w = RunWriter(tmp_path / "r")
+    with pytest.raises(InvalidArgumentError, match="already records with clip=nan"):
+        w.add_handle("h", meta={"clip": 1.0})
+    w.close()
+
+
+def test_a_refused_record_registers_none_of_its_fields(tmp_path):
+    w = RunWriter(tmp_path / "r")
+    w.add_handle("h")
+    with pytest.raises(InvalidArgumentError, match="invalid field name"):
+        w.write("h", 0, 0, {"a": np.zeros(2, np.float32), "b/c": np.zeros(2)})
+    w.write("h", 1, 0, {"a": np.zeros(2, np.float16)})  # 'a' was never written as float32
+    with pytest.raises(InvalidArgumentError, match="changed dtype from float16 to float32"):
+        w.reserve_fields("h", {"a": ("float32", (2,)), "z": ("float32", (2,))})
+    w.write("h", 2, 0, {"a": np.zeros(2, np.float16), "z": np.zeros(3, np.int8)})  # 'z' not registered
+    w.close()
+    with open_run(tmp_path / "r") as run:
+        assert run["h"].steps.tolist() == [1, 2] and run["h"]["z"].dtype == np.int8
+
+
+def test_bad_argument_types_create_nothing(tmp_path):
+    from hookline.storage import HookTypeError
+
+    for kwargs in ({"meta": {"x": {1, 2}}}, {"compression": 5}, {"max_buffer_mb": "64"}):
+        with pytest.raises(HookTypeError):
+            RunWriter(tmp_path / "r", **kwargs)
+        assert not (tmp_path / "r").exists()
+    RunWriter(tmp_path / "r", max_buffer_mb=np.float32(8)).close()
