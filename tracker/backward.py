@@ -15,6 +15,18 @@ For every call of a module with active backward hooks (and grad mode on):
   outputs, so in-place ops after the module, like ``out += identity``, keep working; a tensor hook
   registered before an in-place op receives the gradient of the value before the modification).
 
+Single-op calls skip the identity node. A module whose forward is one autograd op on its input
+(``nn.Linear`` on a 2-d input, a convolution with zero padding on a batched input, a layer norm,
+an out-of-place pointwise activation: :data:`_SINGLE_OP`) creates one graph node per call, and
+that node's edge to the input already carries exactly the call's contribution to the input's
+gradient. For such calls the pre-hook only notes the input's gradient edge, and the forward hook
+checks that the output's node has that edge exactly once and registers a post-hook on the node
+(:meth:`BackwardCall.attach_node`): the same ``grad_in`` as through the identity node, for a
+third of the cost per call inside a training step. The pre-hook takes this path only when
+nothing can come between the input it saw and the op (no autocast, no other pre-hook after it, no
+forward hook before it, the class's own ``forward``); should the check still fail, the call's
+``grad_in`` is reported as None with a warning and the module goes back to the identity node.
+
 The state of one call (:class:`BackwardCall`) is owned by the autograd graph (the Function's
 context and the tensor hooks), never by the module: a forward without backward leaks nothing
 once its graph is freed, and several forwards before one backward each fire separately.
@@ -35,6 +47,7 @@ from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import nn as _nn
 
 from hookline.tracker.pytree import Leaves
 
@@ -52,6 +65,9 @@ _set_versions = torch._C._autograd._unsafe_set_version_counter
 _functorch_active = torch._C._are_functorch_transforms_active
 _unwrap_if_dead = torch._C._functorch.unwrap_if_dead
 _is_compiling = torch.compiler.is_compiling
+# (conservative where torch lacks it: no single-op calls)
+_autocast_on = getattr(torch._C, "_is_any_autocast_enabled", lambda: True)
+_function_mode_on = getattr(torch._C, "_is_torch_function_mode_enabled", lambda: True)
 
 
 class _CallInputs(torch.autograd.Function):
@@ -95,6 +111,75 @@ def _watch(t: _Tensor, hook: Any) -> None:
 
 _HOOK_KEY = "hookline"  # RemovableHandle ids are ints
 _ONE = (0,)
+
+
+def _always(module: nn.Module, x: _Tensor) -> bool:
+    return True
+
+
+def _out_of_place(module: nn.Module, x: _Tensor) -> bool:
+    return not module.inplace
+
+
+def _matrix(module: nn.Module, x: _Tensor) -> bool:
+    return x.dim() == 2  # F.linear folds other shapes through views (several nodes)
+
+
+def _batched_zero_padded(dims: int) -> Any:
+    def check(module: nn.Module, x: _Tensor) -> bool:
+        # unbatched inputs go through unsqueeze/squeeze, other padding modes through F.pad
+        return x.dim() == dims + 2 and module.padding_mode == "zeros"
+
+    return check
+
+
+# Module classes whose forward is one autograd op on their single input, under a condition on
+# the module and input (each checked by tests against the identity node). Exact classes only: a
+# subclass may override forward.
+_SINGLE_OP: dict[type, Any] = {
+    _nn.Linear: _matrix,
+    _nn.Conv1d: _batched_zero_padded(1),
+    _nn.Conv2d: _batched_zero_padded(2),
+    _nn.Conv3d: _batched_zero_padded(3),
+    _nn.LayerNorm: _always,
+    _nn.GELU: _always,
+    _nn.Tanh: _always,
+    _nn.Sigmoid: _always,
+    _nn.ReLU: _out_of_place,
+    _nn.SiLU: _out_of_place,
+    _nn.LeakyReLU: _out_of_place,
+}
+_CLASS_FORWARD = {cls: cls.forward for cls in _SINGLE_OP}
+_global_pre_hooks = _nn.modules.module._global_forward_pre_hooks
+_global_hooks = _nn.modules.module._global_forward_hooks
+
+
+def single_op_input(module: nn.Module, inputs: Leaves) -> _Tensor | None:
+    """The input of a call whose gradient can be read off the call's one op node, else None.
+
+    Called by the manager's pre-hook only when it is the module's last forward pre-hook and its
+    forward hook the module's first (nothing else can change the input or the output).
+    """
+    check = _SINGLE_OP.get(type(module))
+    if check is None or len(inputs) != 1:
+        return None
+    x = inputs[0]
+    if (
+        type(x) is not _Tensor
+        or x.grad_fn is None  # leaves: their edge is the grad accumulator (kept simple)
+        or x.layout is not torch.strided
+        or x.is_nested
+        or _unwrap_if_dead(x) is not x  # escaped a torch.func transform: the op unwraps it
+        or _autocast_on()  # inserts a cast node before the op
+        or _function_mode_on()  # a TorchFunctionMode may run anything in place of the op
+        or _is_compiling()
+        or _global_hooks  # could replace the output before the manager's forward hook sees it
+        or type(module).forward is not _CLASS_FORWARD[type(module)]
+        or "forward" in module.__dict__
+        or not check(module, x)
+    ):
+        return None
+    return x
 
 
 class _Rebase(torch.autograd.Function):
@@ -156,7 +241,7 @@ class BackwardCall:
 
     __slots__ = (
         "module", "handles", "in_index", "in_paths", "in_skipped", "out_paths", "out_skipped",
-        "expected", "grad_in", "grad_out", "seen", "task", "fired",
+        "expected", "grad_in", "grad_out", "seen", "task", "fired", "edge",
     )
 
     def __init__(self, module: nn.Module, handles: tuple[HookHandle, ...], inputs: Leaves) -> None:
@@ -176,6 +261,9 @@ class BackwardCall:
         self.seen = 0
         self.task = -1  # id of the backward pass (autograd graph task) the state belongs to
         self.fired = False
+        # single-op calls: the input's gradient edge (node, output_nr) until the forward hook
+        # found it on the op's node
+        self.edge: tuple[Any, int] | None = None
 
     # --- forward ---------------------------------------------------------------------------
     def wrap_inputs(self, inputs: Leaves) -> tuple[Leaves, PendingInputs | None]:
@@ -191,6 +279,40 @@ class BackwardCall:
         for i, a in zip(self.in_index, aliases):
             new[i] = a
         return Leaves(new, inputs.paths, inputs.skipped), PendingInputs(self, originals, aliases)
+
+    def note_input(self, x: _Tensor) -> None:
+        """Single-op call: remember the input's gradient edge instead of wrapping the input."""
+        self.edge = (x.grad_fn, x.output_nr)
+
+    def attach_node(self, output: Any) -> bool:
+        """Single-op call: take ``grad_in`` from a post-hook on the module's own output node.
+
+        ``output`` is what the module returned. False (and the call then fires with ``grad_in``
+        None) when that node does not hold the input's edge exactly once.
+        """
+        node, nr = self.edge  # type: ignore[misc]
+        self.edge = None
+        op = output.grad_fn if type(output) is _Tensor else None
+        # (an input modified in place before the op would have a new node: no edge found)
+        if op is None or op is node:
+            return self._unattached()
+        found = -1
+        for j, (fn, fn_nr) in enumerate(op.next_functions):
+            if fn is node and fn_nr == nr:
+                if found >= 0:
+                    return self._unattached()  # the input twice: two contributions
+                found = j
+        if found < 0:
+            return self._unattached()
+        op.register_hook(partial(self._on_node, found))
+        return True
+
+    def _unattached(self) -> bool:
+        self.in_index = ()  # fire on the output gradients alone
+        return False
+
+    def _on_node(self, j: int, grad_inputs: tuple, grad_outputs: tuple) -> None:
+        self.on_grad_in((grad_inputs[j],))
 
     def watch_outputs(self, outputs: Leaves) -> None:
         """Register one tensor hook per distinct grad-requiring, non-leaf output tensor."""

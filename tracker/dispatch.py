@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from hookline.storage.errors import HookOutputError
-from hookline.tracker.backward import BackwardCall, PendingInputs
+from hookline.tracker.backward import BackwardCall, PendingInputs, single_op_input
 from hookline.tracker.pytree import Leaves, flatten, flatten_call, unflatten, unflatten_call
 
 if TYPE_CHECKING:
@@ -59,7 +59,9 @@ def replace_leaves(handle: HookHandle, leaves: Leaves, new: Any, what: str) -> L
 class ModuleHooks:
     """The active handles of one module (for one manager) and the torch hooks serving them."""
 
-    __slots__ = ("module", "registered", "pre", "fwd", "bwd", "_torch_pre", "_torch_fwd", "_pending")
+    __slots__ = (
+        "module", "registered", "pre", "fwd", "bwd", "_torch_pre", "_torch_fwd", "_pending", "_single_op",
+    )
 
     def __init__(self, module: nn.Module) -> None:
         self.module = module
@@ -71,6 +73,7 @@ class ModuleHooks:
         self._torch_fwd: RemovableHandle | None = None
         # One entry per call between pre-hook and forward hook (a stack: calls can nest).
         self._pending: list[PendingInputs | BackwardCall | None] = []
+        self._single_op = True  # False once a single-op call's check failed (see backward.py)
 
     # --- activation ------------------------------------------------------------------------
     def add(self, handle: HookHandle) -> None:
@@ -134,11 +137,38 @@ class ModuleHooks:
                 bwd = ()
         if bwd and torch.is_grad_enabled():
             call = BackwardCall(module, bwd, leaves)
-            leaves, pending = call.wrap_inputs(leaves)
-            self._pending[-1] = pending or call
+            x = single_op_input(module, leaves) if call.in_index and self._single_op else None
+            if x is not None and self._outermost():
+                call.note_input(x)  # its gradient comes from the op's node (no identity node)
+                self._pending[-1] = call
+            else:
+                leaves, pending = call.wrap_inputs(leaves)
+                self._pending[-1] = pending or call
         if leaves is original:
             return None
         return unflatten_call(spec, leaves)
+
+    def _outermost(self) -> bool:
+        """Whether the manager's torch pre-hook runs last and its forward hook first on the
+        module (so no other hook can change the input the op sees or the output it made)."""
+        m = self.module
+        return (
+            self._torch_pre is not None
+            and self._torch_fwd is not None
+            and next(reversed(m._forward_pre_hooks)) == self._torch_pre.id
+            and next(iter(m._forward_hooks)) == self._torch_fwd.id
+        )
+
+    def _single_op_failed(self, call: BackwardCall) -> None:
+        self._single_op = False
+        warnings.warn(
+            f"hookline: backward hook {call.handles[0].name!r}: this call of "
+            f"{type(self.module).__name__} did not compute its output with one op on its input, so "
+            "its grad_in is None for this call; later calls of the module take the general path. "
+            f"Please report this with your torch version ({torch.__version__}).",
+            RuntimeWarning,
+            stacklevel=3,
+        )
 
     def _forward_hook(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
         entry = self._pending.pop() if self._pending else None
@@ -167,6 +197,8 @@ class ModuleHooks:
             if isinstance(entry, PendingInputs):
                 rebased = entry.rebase_modified(leaves)
                 entry = entry.call
+            elif entry.edge is not None and not entry.attach_node(output):
+                self._single_op_failed(entry)
             # hooks go on the aliases: all gradient for the module's result flows into them
             entry.watch_outputs(leaves)
             if rebased is not leaves:

@@ -1,0 +1,249 @@
+"""Single-op calls: ``grad_in`` read off the op's own node instead of an identity node.
+
+For the module classes in ``backward._SINGLE_OP`` the manager skips the identity node when it can
+prove nothing comes between the input and the op. These tests check (1) that the path is taken
+where it should be and gives the gradients of an independent reference, (2) that every condition
+that could put something between input and op falls back to the identity node, with the same
+values, and (3) that a failed check is loud and the module falls back for later calls.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+
+import pytest
+import torch
+from _grad_reference import assert_same_calls, recorder, reference_grads
+from torch import nn
+
+from hookline.tracker import HookManager, backward
+
+
+def identity_node_used(y: torch.Tensor, depth: int = 4) -> bool:
+    """Whether the manager's identity node sits in ``y``'s graph within ``depth`` nodes."""
+    todo, seen = [(y.grad_fn, 0)], set()
+    while todo:
+        node, d = todo.pop()
+        if node is None or id(node) in seen or d > depth:
+            continue
+        seen.add(id(node))
+        if "_CallInputs" in node.name():
+            return True
+        todo.extend((fn, d + 1) for fn, _ in node.next_functions)
+    return False
+
+
+def reads_input_edge(y: torch.Tensor, x: torch.Tensor) -> bool:
+    """Whether ``y``'s node takes ``x`` directly (no node in between)."""
+    return any(fn is x.grad_fn and nr == x.output_nr for fn, nr in y.grad_fn.next_functions)
+
+
+SINGLE_OP = [
+    pytest.param(lambda: nn.Linear(6, 5), (4, 6), id="linear"),
+    pytest.param(lambda: nn.Linear(6, 5, bias=False), (4, 6), id="linear-no-bias"),
+    pytest.param(lambda: nn.Conv1d(2, 3, 3), (2, 2, 7), id="conv1d"),
+    pytest.param(lambda: nn.Conv2d(2, 3, 3, padding=1), (2, 2, 5, 5), id="conv2d"),
+    pytest.param(lambda: nn.Conv3d(2, 3, 2), (1, 2, 3, 4, 4), id="conv3d"),
+    pytest.param(lambda: nn.LayerNorm(6), (4, 6), id="layernorm"),
+    pytest.param(lambda: nn.LayerNorm(6, elementwise_affine=False), (4, 6), id="layernorm-plain"),
+    pytest.param(nn.GELU, (4, 6), id="gelu"),
+    pytest.param(lambda: nn.GELU("tanh"), (4, 6), id="gelu-tanh"),
+    pytest.param(nn.Tanh, (4, 6), id="tanh"),
+    pytest.param(nn.Sigmoid, (4, 6), id="sigmoid"),
+    pytest.param(nn.ReLU, (4, 6), id="relu"),
+    pytest.param(nn.SiLU, (4, 6), id="silu"),
+    pytest.param(nn.LeakyReLU, (4, 6), id="leaky-relu"),
+]
+
+
+@pytest.mark.parametrize(("make", "shape"), SINGLE_OP)
+def test_single_op_modules_skip_the_identity_node_and_match_the_reference(mgr, make, shape):
+    module = make()
+    reference = copy.deepcopy(module)
+    source = torch.randn(*shape, requires_grad=True)
+    got, hook = recorder()
+    mgr.register_backward_hook(hook, m=module)
+    x = source * 1.5  # a non-leaf input, as every layer but the first sees
+    y = module(x)
+    assert reads_input_edge(y, x) and not identity_node_used(y)
+    y.pow(2).sum().backward()
+    want = reference_grads(reference, {"m": reference}, lambda m: m(source * 1.5).pow(2).sum())
+    assert_same_calls(got, want)
+    # bit-exact against autograd itself: x feeds only this call
+    torch.testing.assert_close(got["m"][0][0][0] * 1.5, source.grad, rtol=0, atol=0)
+
+
+def test_mlp_with_inplace_relu_and_calls_twice_matches_the_reference(mgr):
+    shared = nn.Linear(8, 8)
+    model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(inplace=True), shared, nn.Tanh(), shared, nn.GELU())
+    reference = copy.deepcopy(model)
+    reference[1].inplace = False
+    x = torch.randn(5, 6, requires_grad=True)
+    got, hook = recorder()
+    mgr.register_backward_hook(hook, **dict(model.named_children()))
+    model(x).pow(2).sum().backward()
+    assert_same_calls(got, reference_grads(reference, dict(reference.named_children()), lambda m: m(x).pow(2).sum()))
+    assert len(got["2"]) == 2  # the shared Linear fired once per call
+
+
+def test_several_forwards_one_backward_retain_graph_and_double_backward(mgr):
+    lin = nn.Linear(4, 4)
+    calls, hook = recorder()
+    mgr.register_backward_hook(hook, lin=lin)
+    source = torch.randn(3, 4, requires_grad=True)
+    y1, y2 = lin(source * 2), lin(source * 3)
+    loss = y1.pow(2).sum() + y2.pow(3).sum()
+    loss.backward(retain_graph=True)
+    loss.backward()
+    assert len(calls["lin"]) == 4  # two calls, two passes
+    first = [c[0][0] for c in calls["lin"][:2]]
+    second = [c[0][0] for c in calls["lin"][2:]]
+    for a, b in zip(first, second):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    # create_graph: grad_in is itself differentiable, like through the identity node
+    calls["lin"].clear()
+    (g,) = torch.autograd.grad(lin(source * 2).pow(2).sum(), source, create_graph=True)
+    assert calls["lin"][0][0][0].requires_grad
+    g.sum().backward()
+
+
+def test_autograd_grad_stopping_at_the_output_fires_at_end_of_pass(mgr):
+    lin = nn.Linear(4, 4)
+    calls, hook = recorder()
+    mgr.register_backward_hook(hook, lin=lin)
+    x = torch.randn(3, 4, requires_grad=True) * 1
+    y = lin(x)
+    assert reads_input_edge(y, x)
+    (gy,) = torch.autograd.grad((y * 2).sum(), y)
+    ((grad_in, grad_out),) = calls["lin"]
+    assert grad_in[0] is None  # the op never ran
+    torch.testing.assert_close(grad_out[0], gy)
+
+
+def test_autograd_grad_for_the_weight_only_reports_no_input_gradient(mgr):
+    lin = nn.Linear(4, 4)
+    calls, hook = recorder()
+    mgr.register_backward_hook(hook, lin=lin)
+    x = torch.randn(3, 4, requires_grad=True) * 1
+    (gw,) = torch.autograd.grad(lin(x).sum(), lin.weight)
+    ((grad_in, grad_out),) = calls["lin"]
+    assert grad_in[0] is None and grad_out[0] is not None  # as through the identity node (not run)
+    assert gw.shape == lin.weight.shape
+
+
+def test_forward_hook_replacing_the_output(mgr):
+    """grad_in is the call's contribution, grad_out the gradient of the replaced output."""
+    lin = nn.Linear(4, 4)
+    calls, hook = recorder()
+    mgr.register_forward_hook(lambda m, i, o: o[0] * 0.5, lin=lin)
+    mgr.register_backward_hook(hook, lin=lin)
+    source = torch.randn(3, 4, requires_grad=True)
+    y = lin(source * 1)
+    y.pow(2).sum().backward()
+    ((grad_in, grad_out),) = calls["lin"]
+    torch.testing.assert_close(grad_out[0], 2 * y.detach(), rtol=0, atol=0)
+    torch.testing.assert_close(grad_in[0], source.grad, rtol=0, atol=0)
+
+
+class _Sub(nn.Linear):
+    pass
+
+
+def _later_pre_hook(m):
+    return m.register_forward_pre_hook(lambda mod, args: (args[0] * 2,))
+
+
+def _forward_hook(m):
+    return m.register_forward_hook(lambda mod, args, out: out * 3)
+
+
+def _global_forward_hook(m):
+    return nn.modules.module.register_module_forward_hook(lambda mod, args, out: None)
+
+
+def _instance_forward(m):
+    m.forward = lambda x: nn.functional.linear(x, m.weight, m.bias) * 2
+
+
+def _linear():
+    return nn.Linear(6, 5)
+
+
+FALLBACKS = [  # make, input shape, set up before / after the manager's registration, context
+    pytest.param(_linear, (2, 4, 6), None, None, None, id="linear-3d-input"),
+    pytest.param(lambda: _Sub(6, 5), (4, 6), None, None, None, id="subclass"),
+    pytest.param(lambda: nn.ReLU(inplace=True), (4, 6), None, None, None, id="inplace-relu"),
+    pytest.param(lambda: nn.Conv2d(2, 3, 3), (2, 5, 5), None, None, None, id="conv-unbatched"),
+    pytest.param(lambda: nn.Conv2d(2, 3, 3, padding=1, padding_mode="reflect"), (1, 2, 5, 5), None, None, None,
+                 id="conv-reflect"),
+    pytest.param(_linear, (4, 6), None, None, lambda: torch.autocast("cpu", dtype=torch.bfloat16), id="autocast"),
+    pytest.param(_linear, (4, 6), None, None, lambda: torch.device("cpu"), id="torch-function-mode"),
+    pytest.param(_linear, (4, 6), None, _later_pre_hook, None, id="user-pre-hook-after"),
+    pytest.param(_linear, (4, 6), _forward_hook, None, None, id="user-forward-hook-before"),
+    pytest.param(_linear, (4, 6), None, _global_forward_hook, None, id="global-forward-hook"),
+    pytest.param(_linear, (4, 6), _instance_forward, None, None, id="instance-forward"),
+]
+
+
+@pytest.mark.parametrize(("make", "shape", "before", "after", "context"), FALLBACKS)
+def test_conditions_that_could_separate_input_and_op_use_the_identity_node(make, shape, before, after, context):
+    """Each case takes the identity node (no shortcut, no warning) and gives the exact grad_in."""
+    module = make()
+    handles = [before(module)] if before else []
+    mgr = HookManager()
+    calls, hook = recorder()
+    mgr.register_backward_hook(hook, m=module)
+    handles += [after(module)] if after else []
+    try:
+        source = torch.randn(*shape, requires_grad=True)
+        with context() if context else contextlib.nullcontext():
+            y = module(source * 1.5)
+        assert identity_node_used(y, depth=6)
+        y.float().pow(2).sum().backward()
+        ((grad_in, _),) = calls["m"]
+        # the input feeds only this call: its whole gradient is the call's contribution
+        torch.testing.assert_close(grad_in[0] * 1.5, source.grad, rtol=0, atol=0)
+    finally:
+        mgr.remove_all_hooks()
+        for h in handles:
+            if h is not None:
+                h.remove()
+
+
+def test_leaf_input_uses_the_identity_node(mgr):
+    lin = nn.Linear(4, 4)
+    calls, hook = recorder()
+    mgr.register_backward_hook(hook, lin=lin)
+    x = torch.randn(3, 4, requires_grad=True)
+    y = lin(x)
+    assert identity_node_used(y)
+    y.sum().backward()
+    torch.testing.assert_close(calls["lin"][0][0][0], x.grad, rtol=0, atol=0)
+
+
+class _TwoOps(nn.Module):
+    def forward(self, x):
+        return x * 2 + 1
+
+
+def test_a_failed_check_warns_reports_none_and_falls_back(mgr, monkeypatch):
+    """Should a listed class ever compute its output with more than one op, the call's grad_in
+    is None with a warning (never a wrong gradient), and later calls take the identity node."""
+    monkeypatch.setitem(backward._SINGLE_OP, _TwoOps, lambda m, x: True)
+    monkeypatch.setitem(backward._CLASS_FORWARD, _TwoOps, _TwoOps.forward)
+    m = _TwoOps()
+    calls, hook = recorder()
+    mgr.register_backward_hook(hook, m=m)
+    source = torch.randn(3, requires_grad=True)
+    with pytest.warns(RuntimeWarning, match=r"hookline: backward hook .*\[m\].*_TwoOps.*grad_in is None"):
+        y = m(source * 1)
+    y.sum().backward()
+    ((grad_in, grad_out),) = calls["m"]
+    assert grad_in[0] is None and grad_out[0] is not None
+    calls["m"].clear()
+    source.grad = None
+    y = m(source * 1)
+    assert identity_node_used(y)
+    y.sum().backward()
+    torch.testing.assert_close(calls["m"][0][0][0], source.grad, rtol=0, atol=0)
