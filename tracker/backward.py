@@ -22,10 +22,15 @@ that node's edge to the input already carries exactly the call's contribution to
 gradient. For such calls the pre-hook only notes the input's gradient edge, and the forward hook
 checks that the output's node has that edge exactly once and registers a post-hook on the node
 (:meth:`BackwardCall.attach_node`): the same ``grad_in`` as through the identity node, for a
-third of the cost per call inside a training step. The pre-hook takes this path only when
-nothing can come between the input it saw and the op (no autocast, no other pre-hook after it, no
-forward hook before it, the class's own ``forward``); should the check still fail, the call's
-``grad_in`` is reported as None with a warning and the module goes back to the identity node.
+little over half the cost per call inside a training step. The pre-hook takes this path only
+when nothing can come between the input it saw and the op and nothing else uses the input during
+the call (:func:`single_op_input` and ``ModuleHooks``: the class's own ``forward`` and
+functional, plain parameters, no autocast or function mode, no other hook before or after the
+manager's, no forward hook function that is not passive). The forward hook checks the op's node
+kind and edge before any forward hook function runs; should that fail, the call's ``grad_in``
+is reported as None with a warning (never a wrong value) and the module goes back to the
+identity node. Such a call fires right after its op, before the module's parameter gradients
+are accumulated (docs/hooks.md).
 
 The state of one call (:class:`BackwardCall`) is owned by the autograd graph (the Function's
 context and the tensor hooks), never by the module: a forward without backward leaks nothing
@@ -127,41 +132,58 @@ def _matrix(module: nn.Module, x: _Tensor) -> bool:
 
 def _batched_zero_padded(dims: int) -> Any:
     def check(module: nn.Module, x: _Tensor) -> bool:
-        # unbatched inputs go through unsqueeze/squeeze, other padding modes through F.pad
-        return x.dim() == dims + 2 and module.padding_mode == "zeros"
+        # unbatched inputs go through unsqueeze/squeeze, other padding modes through F.pad, and
+        # padding="same" pads first when a kernel's reach is even
+        return x.dim() == dims + 2 and module.padding_mode == "zeros" and module.padding != "same"
 
     return check
 
 
 # Module classes whose forward is one autograd op on their single input, under a condition on
-# the module and input (each checked by tests against the identity node). Exact classes only: a
-# subclass may override forward.
-_SINGLE_OP: dict[type, Any] = {
-    _nn.Linear: _matrix,
-    _nn.Conv1d: _batched_zero_padded(1),
-    _nn.Conv2d: _batched_zero_padded(2),
-    _nn.Conv3d: _batched_zero_padded(3),
-    _nn.LayerNorm: _always,
-    _nn.GELU: _always,
-    _nn.Tanh: _always,
-    _nn.Sigmoid: _always,
-    _nn.ReLU: _out_of_place,
-    _nn.SiLU: _out_of_place,
-    _nn.LeakyReLU: _out_of_place,
+# the module and input, and the names of that op's graph node (each checked by tests against
+# the identity node). Exact classes only: a subclass may override forward.
+_SINGLE_OP: dict[type, tuple[Any, tuple[str, ...]]] = {
+    _nn.Linear: (_matrix, ("AddmmBackward0", "MmBackward0")),
+    _nn.Conv1d: (_batched_zero_padded(1), ("ConvolutionBackward0",)),
+    _nn.Conv2d: (_batched_zero_padded(2), ("ConvolutionBackward0",)),
+    _nn.Conv3d: (_batched_zero_padded(3), ("ConvolutionBackward0",)),
+    _nn.LayerNorm: (_always, ("NativeLayerNormBackward0",)),
+    _nn.GELU: (_always, ("GeluBackward0",)),
+    _nn.Tanh: (_always, ("TanhBackward0",)),
+    _nn.Sigmoid: (_always, ("SigmoidBackward0",)),
+    _nn.ReLU: (_out_of_place, ("ReluBackward0",)),
+    _nn.SiLU: (_out_of_place, ("SiluBackward0",)),
+    _nn.LeakyReLU: (_out_of_place, ("LeakyReluBackward0",)),
 }
 _CLASS_FORWARD = {cls: cls.forward for cls in _SINGLE_OP}
-_global_pre_hooks = _nn.modules.module._global_forward_pre_hooks
-_global_hooks = _nn.modules.module._global_forward_hooks
+_F = _nn.functional
+# The function each class's forward looks up at call time: a patched one (a "quick GELU") can
+# make other nodes around the same input.
+_FUNCTION = {
+    cls: (owner, name, getattr(owner, name))
+    for cls, owner, name in (
+        (_nn.Linear, _F, "linear"), (_nn.Conv1d, _F, "conv1d"), (_nn.Conv2d, _F, "conv2d"),
+        (_nn.Conv3d, _F, "conv3d"), (_nn.LayerNorm, _F, "layer_norm"), (_nn.GELU, _F, "gelu"),
+        (_nn.Tanh, torch, "tanh"), (_nn.Sigmoid, torch, "sigmoid"), (_nn.ReLU, _F, "relu"),
+        (_nn.SiLU, _F, "silu"), (_nn.LeakyReLU, _F, "leaky_relu"),
+    )
+}
+_Parameter = _nn.Parameter
+_module_globals = _nn.modules.module
+_global_hooks = _module_globals._global_forward_hooks
+_global_backward_hooks = _module_globals._global_backward_hooks
+_global_backward_pre_hooks = _module_globals._global_backward_pre_hooks
 
 
-def single_op_input(module: nn.Module, inputs: Leaves) -> _Tensor | None:
-    """The input of a call whose gradient can be read off the call's one op node, else None.
+def single_op_input(module: nn.Module, inputs: Leaves) -> tuple[_Tensor, tuple[str, ...]] | None:
+    """The input of a call whose gradient can be read off the call's one op node, and the names
+    that node may have; None when the call must take the identity node.
 
-    Called by the manager's pre-hook only when it is the module's last forward pre-hook and its
-    forward hook the module's first (nothing else can change the input or the output).
+    The manager's pre-hook asks only when it is the module's last forward pre-hook and its
+    forward hook the module's first (no other hook can change the input or the output).
     """
-    check = _SINGLE_OP.get(type(module))
-    if check is None or len(inputs) != 1:
+    rule = _SINGLE_OP.get(type(module))
+    if rule is None or len(inputs) != 1:
         return None
     x = inputs[0]
     if (
@@ -174,12 +196,24 @@ def single_op_input(module: nn.Module, inputs: Leaves) -> _Tensor | None:
         or _function_mode_on()  # a TorchFunctionMode may run anything in place of the op
         or _is_compiling()
         or _global_hooks  # could replace the output before the manager's forward hook sees it
+        # torch's full backward hooks wrap the inputs after every pre-hook
+        or module._backward_hooks
+        or module._backward_pre_hooks
+        or _global_backward_hooks
+        or _global_backward_pre_hooks
         or type(module).forward is not _CLASS_FORWARD[type(module)]
         or "forward" in module.__dict__
-        or not check(module, x)
+        or not rule[0](module, x)
     ):
         return None
-    return x
+    owner, name, function = _FUNCTION[type(module)]
+    if getattr(owner, name) is not function:
+        return None
+    for p in module._parameters.values():
+        # a tensor-subclass weight (weight-only quantisation) turns the op into several
+        if p is not None and type(p) is not _Parameter:
+            return None
+    return x, rule[1]
 
 
 class _Rebase(torch.autograd.Function):
@@ -280,21 +314,23 @@ class BackwardCall:
             new[i] = a
         return Leaves(new, inputs.paths, inputs.skipped), PendingInputs(self, originals, aliases)
 
-    def note_input(self, x: _Tensor) -> None:
+    def note_input(self, x: _Tensor, op_names: tuple[str, ...]) -> None:
         """Single-op call: remember the input's gradient edge instead of wrapping the input."""
-        self.edge = (x.grad_fn, x.output_nr)
+        self.edge = (x.grad_fn, x.output_nr, op_names)
 
     def attach_node(self, output: Any) -> bool:
         """Single-op call: take ``grad_in`` from a post-hook on the module's own output node.
 
-        ``output`` is what the module returned. False (and the call then fires with ``grad_in``
-        None) when that node does not hold the input's edge exactly once.
+        ``output`` is what the module returned, before any forward hook saw it. False (and the
+        call then fires with ``grad_in`` None) when that node is not the expected op or does not
+        hold the input's edge exactly once.
         """
-        node, nr = self.edge  # type: ignore[misc]
+        node, nr, op_names = self.edge  # type: ignore[misc]
         self.edge = None
         op = output.grad_fn if type(output) is _Tensor else None
-        # (an input modified in place before the op would have a new node: no edge found)
-        if op is None or op is node:
+        # (an input modified in place before the op would have a new node: no edge found; a
+        # patched torch.nn.functional makes another node)
+        if op is None or op is node or op.name() not in op_names:
             return self._unattached()
         found = -1
         for j, (fn, fn_nr) in enumerate(op.next_functions):

@@ -9,6 +9,7 @@ hook at all, so deactivated hooks cost nothing.
 
 from __future__ import annotations
 
+import os
 import sys
 import warnings
 from typing import TYPE_CHECKING, Any
@@ -61,6 +62,7 @@ class ModuleHooks:
 
     __slots__ = (
         "module", "registered", "pre", "fwd", "bwd", "_torch_pre", "_torch_fwd", "_pending", "_single_op",
+        "_passive_fwd",
     )
 
     def __init__(self, module: nn.Module) -> None:
@@ -74,6 +76,10 @@ class ModuleHooks:
         # One entry per call between pre-hook and forward hook (a stack: calls can nest).
         self._pending: list[PendingInputs | BackwardCall | None] = []
         self._single_op = True  # False once a single-op call's check failed (see backward.py)
+        # Whether every forward hook function is known not to compute with what it sees (the
+        # recorder's): single-op calls hand forward hooks the caller's input, not an alias
+        # whose gradient the call's grad_in would include.
+        self._passive_fwd = True
 
     # --- activation ------------------------------------------------------------------------
     def add(self, handle: HookHandle) -> None:
@@ -90,6 +96,7 @@ class ModuleHooks:
         self._sync()
 
     def _sync(self) -> None:
+        self._passive_fwd = all(getattr(h.hook_fn.fn, "_hookline_passive", False) for h in self.fwd)
         need_pre = bool(self.pre or self.bwd)
         need_fwd = bool(self.fwd or self.bwd)
         if need_pre and self._torch_pre is None:
@@ -137,9 +144,11 @@ class ModuleHooks:
                 bwd = ()
         if bwd and torch.is_grad_enabled():
             call = BackwardCall(module, bwd, leaves)
-            x = single_op_input(module, leaves) if call.in_index and self._single_op else None
-            if x is not None and self._outermost():
-                call.note_input(x)  # its gradient comes from the op's node (no identity node)
+            single = (
+                single_op_input(module, leaves) if call.in_index and self._single_op and self._passive_fwd else None
+            )
+            if single is not None and self._outermost():
+                call.note_input(*single)  # its gradient comes from the op's node (no identity node)
                 self._pending[-1] = call
             else:
                 leaves, pending = call.wrap_inputs(leaves)
@@ -163,11 +172,13 @@ class ModuleHooks:
         self._single_op = False
         warnings.warn(
             f"hookline: backward hook {call.handles[0].name!r}: this call of "
-            f"{type(self.module).__name__} did not compute its output with one op on its input, so "
-            "its grad_in is None for this call; later calls of the module take the general path. "
-            f"Please report this with your torch version ({torch.__version__}).",
+            f"{type(self.module).__name__} did not compute its output with one op on its input "
+            "(something replaced the op or ran between the input and the op), so its grad_in is None "
+            "for this call; later calls of the module take the identity node (docs/hooks.md, "
+            "single-op calls). If no patch, hook or subclass of yours is involved, please report "
+            f"it with your torch version ({torch.__version__}).",
             RuntimeWarning,
-            stacklevel=3,
+            stacklevel=_caller_level(),
         )
 
     def _forward_hook(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
@@ -179,6 +190,10 @@ class ModuleHooks:
             return None
         if not self._pending and not (self.fwd or self.bwd) and self._torch_fwd is not None:
             self._sync()  # deactivated while this call ran: the deferred removal
+        # A single-op call's node is found before the forward hooks run: one of them may modify
+        # or replace the output.
+        if type(entry) is BackwardCall and entry.edge is not None and not entry.attach_node(output):
+            self._single_op_failed(entry)
         leaves: Leaves | None = None
         replaced = False
         if self.fwd:
@@ -197,8 +212,6 @@ class ModuleHooks:
             if isinstance(entry, PendingInputs):
                 rebased = entry.rebase_modified(leaves)
                 entry = entry.call
-            elif entry.edge is not None and not entry.attach_node(output):
-                self._single_op_failed(entry)
             # hooks go on the aliases: all gradient for the module's result flows into them
             entry.watch_outputs(leaves)
             if rebased is not leaves:
@@ -224,6 +237,18 @@ def _skip_in_transform(handles: tuple[HookHandle, ...]) -> None:
             "calls inside torch.func transforms (grad, vjp, jacrev, vmap); forward hooks do",
             stacklevel=4,
         )
+
+
+_SKIP_DIRS = (os.path.dirname(torch.__file__), os.path.dirname(__file__))
+
+
+def _caller_level() -> int:
+    """``stacklevel`` of the first frame outside torch and hookline (the user's model call),
+    counted from the function that calls ``warnings.warn``."""
+    frame, level = sys._getframe(2), 2
+    while frame is not None and frame.f_code.co_filename.startswith(_SKIP_DIRS):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def _forward_raised() -> bool:

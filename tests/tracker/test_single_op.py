@@ -87,7 +87,7 @@ def test_mlp_with_inplace_relu_and_calls_twice_matches_the_reference(mgr):
     assert len(got["2"]) == 2  # the shared Linear fired once per call
 
 
-def test_several_forwards_one_backward_retain_graph_and_double_backward(mgr):
+def test_several_forwards_one_backward_and_retain_graph(mgr):
     lin = nn.Linear(4, 4)
     calls, hook = recorder()
     mgr.register_backward_hook(hook, lin=lin)
@@ -101,11 +101,25 @@ def test_several_forwards_one_backward_retain_graph_and_double_backward(mgr):
     second = [c[0][0] for c in calls["lin"][2:]]
     for a, b in zip(first, second):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
-    # create_graph: grad_in is itself differentiable, like through the identity node
-    calls["lin"].clear()
-    (g,) = torch.autograd.grad(lin(source * 2).pow(2).sum(), source, create_graph=True)
-    assert calls["lin"][0][0][0].requires_grad
+    torch.testing.assert_close(first[0] * 3 + first[1] * 2, source.grad / 2, rtol=1e-6, atol=1e-6)
+
+
+def test_double_backward(mgr):
+    """create_graph: grad_in is itself differentiable, as through the identity node. (The hook
+    keeps only a flag: a hook keeping a create_graph gradient makes a reference cycle through
+    the autograd graph that Python's collector cannot see; docs/hooks.md.)"""
+    lin = nn.Linear(4, 4)
+    flags = []
+    mgr.register_backward_hook(lambda m, gi, go: flags.append(gi[0].requires_grad), lin=lin)
+    source = torch.randn(3, 4, requires_grad=True)
+    x = source * 2
+    y = lin(x)
+    assert reads_input_edge(y, x)
+    (g,) = torch.autograd.grad(y.pow(2).sum(), source, create_graph=True)
+    assert flags == [True]
     g.sum().backward()
+    # the second pass runs the call's node again and fires again, as the identity node did
+    assert source.grad is not None and flags == [True, False]
 
 
 def test_autograd_grad_stopping_at_the_output_fires_at_end_of_pass(mgr):
@@ -130,6 +144,54 @@ def test_autograd_grad_for_the_weight_only_reports_no_input_gradient(mgr):
     ((grad_in, grad_out),) = calls["lin"]
     assert grad_in[0] is None and grad_out[0] is not None  # as through the identity node (not run)
     assert gw.shape == lin.weight.shape
+
+
+class _Passive:
+    """A forward hook function marked passive, as the recorder's are."""
+
+    _hookline_passive = True
+
+    def __init__(self):
+        self.seen = 0
+
+    def __call__(self, module, inputs, outputs):
+        self.seen += 1
+
+
+def test_passive_forward_hooks_keep_the_single_op_path_and_others_do_not(mgr):
+    lin = nn.Linear(4, 4)
+    calls, hook = recorder()
+    passive = _Passive()
+    mgr.register_forward_hook(passive, lin=lin)
+    mgr.register_backward_hook(hook, lin=lin)
+    source = torch.randn(3, 4, requires_grad=True)
+    x = source * 2
+    y = lin(x)
+    assert passive.seen == 1 and reads_input_edge(y, x)
+    y.pow(2).sum().backward()
+    torch.testing.assert_close(calls["lin"][0][0][0] * 2, source.grad, rtol=0, atol=0)
+    # any other forward hook function may compute with the inputs it is handed: identity node
+    mgr.register_forward_hook(lambda m, i, o: None, lin=lin)
+    assert identity_node_used(lin(source * 2))
+
+
+@pytest.mark.parametrize("edit", ["zero-a-column", "add-the-input"])
+def test_forward_hooks_modifying_the_output_in_place(mgr, edit):
+    """Activation patching: the call's grad_in includes what the hook did with its input."""
+    lin = nn.Linear(4, 4)
+    calls, hook = recorder()
+
+    def patch(module, inputs, outputs):
+        if edit == "zero-a-column":
+            outputs[0][:, 0] = 0
+        else:
+            outputs[0].add_(inputs[0])
+
+    mgr.register_forward_hook(patch, lin=lin)
+    mgr.register_backward_hook(hook, lin=lin)
+    source = torch.randn(3, 4, requires_grad=True)
+    lin(source * 1).pow(2).sum().backward()
+    torch.testing.assert_close(calls["lin"][0][0][0], source.grad, rtol=0, atol=0)
 
 
 def test_forward_hook_replacing_the_output(mgr):
@@ -170,6 +232,48 @@ def _linear():
     return nn.Linear(6, 5)
 
 
+def _full_backward_hook(m):
+    return m.register_full_backward_hook(lambda mod, gi, go: None)
+
+
+def _full_backward_pre_hook(m):
+    return m.register_full_backward_pre_hook(lambda mod, go: None)
+
+
+def _global_full_backward_hook(m):
+    return nn.modules.module.register_module_full_backward_hook(lambda mod, gi, go: None)
+
+
+class _Int8Weight(torch.Tensor):
+    """A weight that runs F.linear as several ops (as weight-only quantisation does)."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is nn.functional.linear:
+            x, w, b = args[0], args[1], args[2] if len(args) > 2 else kwargs.get("bias")
+            with torch._C.DisableTorchFunctionSubclass():
+                return torch.mm(x.reshape(-1, x.shape[-1]), w.t()) + b
+        return super().__torch_function__(func, types, args, kwargs)
+
+
+def _quantised_linear():
+    lin = nn.Linear(6, 5)
+    lin.weight = nn.Parameter(lin.weight.detach().as_subclass(_Int8Weight))
+    return lin
+
+
+@contextlib.contextmanager
+def _quick_gelu():
+    """A patched torch.nn.functional.gelu that makes a Mul node holding the input's edge."""
+    original = nn.functional.gelu
+    nn.functional.gelu = lambda x, approximate="none": x * torch.sigmoid(1.702 * x)
+    try:
+        yield
+    finally:
+        nn.functional.gelu = original
+
+
 FALLBACKS = [  # make, input shape, set up before / after the manager's registration, context
     pytest.param(_linear, (2, 4, 6), None, None, None, id="linear-3d-input"),
     pytest.param(lambda: _Sub(6, 5), (4, 6), None, None, None, id="subclass"),
@@ -183,9 +287,16 @@ FALLBACKS = [  # make, input shape, set up before / after the manager's registra
     pytest.param(_linear, (4, 6), _forward_hook, None, None, id="user-forward-hook-before"),
     pytest.param(_linear, (4, 6), None, _global_forward_hook, None, id="global-forward-hook"),
     pytest.param(_linear, (4, 6), _instance_forward, None, None, id="instance-forward"),
+    pytest.param(_linear, (4, 6), None, _full_backward_hook, None, id="torch-full-backward-hook"),
+    pytest.param(_linear, (4, 6), None, _full_backward_pre_hook, None, id="torch-full-backward-pre-hook"),
+    pytest.param(_linear, (4, 6), None, _global_full_backward_hook, None, id="global-full-backward-hook"),
+    pytest.param(lambda: nn.Conv1d(2, 3, 4, padding="same"), (1, 2, 7), None, None, None, id="conv-same-even"),
+    pytest.param(_quantised_linear, (4, 6), None, None, None, id="tensor-subclass-weight"),
+    pytest.param(nn.GELU, (4, 6), None, None, _quick_gelu, id="patched-functional"),
 ]
 
 
+@pytest.mark.filterwarnings("ignore:Using padding='same':UserWarning")  # torch's own note
 @pytest.mark.parametrize(("make", "shape", "before", "after", "context"), FALLBACKS)
 def test_conditions_that_could_separate_input_and_op_use_the_identity_node(make, shape, before, after, context):
     """Each case takes the identity node (no shortcut, no warning) and gives the exact grad_in."""
@@ -230,14 +341,16 @@ class _TwoOps(nn.Module):
 def test_a_failed_check_warns_reports_none_and_falls_back(mgr, monkeypatch):
     """Should a listed class ever compute its output with more than one op, the call's grad_in
     is None with a warning (never a wrong gradient), and later calls take the identity node."""
-    monkeypatch.setitem(backward._SINGLE_OP, _TwoOps, lambda m, x: True)
+    monkeypatch.setitem(backward._SINGLE_OP, _TwoOps, (lambda m, x: True, ("AddBackward0",)))
     monkeypatch.setitem(backward._CLASS_FORWARD, _TwoOps, _TwoOps.forward)
+    monkeypatch.setitem(backward._FUNCTION, _TwoOps, (torch, "add", torch.add))
     m = _TwoOps()
     calls, hook = recorder()
     mgr.register_backward_hook(hook, m=m)
     source = torch.randn(3, requires_grad=True)
-    with pytest.warns(RuntimeWarning, match=r"hookline: backward hook .*\[m\].*_TwoOps.*grad_in is None"):
+    with pytest.warns(RuntimeWarning, match=r"hookline: backward hook .*\[m\].*_TwoOps.*grad_in is None") as w:
         y = m(source * 1)
+    assert w[0].filename == __file__  # points at the model call, not into torch or hookline
     y.sum().backward()
     ((grad_in, grad_out),) = calls["m"]
     assert grad_in[0] is None and grad_out[0] is not None
@@ -247,3 +360,20 @@ def test_a_failed_check_warns_reports_none_and_falls_back(mgr, monkeypatch):
     assert identity_node_used(y)
     y.sum().backward()
     torch.testing.assert_close(calls["m"][0][0][0], source.grad, rtol=0, atol=0)
+
+
+def test_a_functional_patched_before_import_is_caught_by_the_node_kind(mgr, monkeypatch):
+    """A patch older than hookline's snapshot of torch.nn.functional (simulated by putting the
+    patched function in the snapshot): the op's node is not the one GELU makes, so the call
+    reports None with a warning instead of the Mul node's (wrong) gradient."""
+    with _quick_gelu():
+        monkeypatch.setitem(backward._FUNCTION, nn.GELU, (nn.functional, "gelu", nn.functional.gelu))
+        gelu = nn.GELU()
+        calls, hook = recorder()
+        mgr.register_backward_hook(hook, m=gelu)
+        source = torch.randn(3, 4, requires_grad=True)
+        with pytest.warns(RuntimeWarning, match="did not compute its output with one op"):
+            y = gelu(source * 1)
+        assert y.grad_fn.name() == "MulBackward0"
+        y.sum().backward()
+        assert calls["m"][0][0][0] is None
