@@ -12,7 +12,7 @@ from hookline.storage.errors import (
     RunExistsError,
     UnknownNameError,
 )
-from hookline.tracker.handles import HookFunction, HookHandle
+from hookline.tracker.handles import HookFunction, HookHandle, passive
 from hookline.tracker.manager import HookManager
 from hookline.tracker.pytree import Leaves
 from hookline.tracker.select import select
@@ -30,6 +30,7 @@ __all__ = [
     "Leaves",
     "RunExistsError",
     "UnknownNameError",
+    "passive",
     "select",
 ]
 

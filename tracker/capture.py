@@ -106,8 +106,8 @@ class CaptureHook:
     Its ``repr`` is its short name, so handle ids read ``outputs[blocks.0]``.
     """
 
-    #: It only copies what it sees (detached) and returns None: as a forward hook it leaves a
-    #: backward hook's single-op calls possible (tracker/backward.py).
+    #: It only copies what it sees (detached) and returns None: passive (see
+    #: :func:`hookline.tracker.passive`), which keeps backward hooks' single-op calls possible.
     _hookline_passive = True
 
     def __init__(self, recorder: Recorder, options: CaptureOptions, name: str | None = None) -> None:

@@ -19,6 +19,7 @@ from torch import nn
 
 from hookline.storage.errors import HookOutputError
 from hookline.tracker.backward import BackwardCall, PendingInputs, single_op_input
+from hookline.tracker.handles import is_passive
 from hookline.tracker.pytree import Leaves, flatten, flatten_call, unflatten, unflatten_call
 
 if TYPE_CHECKING:
@@ -96,7 +97,7 @@ class ModuleHooks:
         self._sync()
 
     def _sync(self) -> None:
-        self._passive_fwd = all(getattr(h.hook_fn.fn, "_hookline_passive", False) for h in self.fwd)
+        self._passive_fwd = all(is_passive(h.hook_fn.fn) for h in self.fwd)
         need_pre = bool(self.pre or self.bwd)
         need_fwd = bool(self.fwd or self.bwd)
         if need_pre and self._torch_pre is None:
@@ -202,6 +203,12 @@ class ModuleHooks:
             for handle in self.fwd:
                 new = handle.call(module, inputs, leaves)
                 if new is not None:
+                    if is_passive(handle.hook_fn.fn):
+                        raise HookOutputError(
+                            f"hook {handle.name!r} is marked passive but returned a "
+                            f"{type(new).__name__}; a passive hook must return None (remove "
+                            "passive() from a hook that replaces outputs)"
+                        )
                     new_leaves = replace_leaves(handle, leaves, new, "outputs")
                     replaced = replaced or new_leaves is not leaves
                     leaves = new_leaves

@@ -51,7 +51,7 @@ import h5py
 import numpy as np
 import torch
 
-from hookline.tracker import HookManager, Recorder, select
+from hookline.tracker import HookManager, Recorder, passive, select
 
 
 #: glibc settings of ``--malloc tuned``: keep freed memory in the heap instead of returning it to
@@ -205,7 +205,9 @@ def bench_overhead(tmp: Path, rounds: int, width: int = 1024, steps: int = 5, de
     cap, cap_v = recorder("every1", 1)
     skip, skip_v = recorder("skipped", 10**9)
     noop = HookManager()
-    noop.register_forward_hook(lambda m, i, o: None, hook_fn_name="noop", **lin)
+    # Forward hooks that only read are marked passive, as the recorder's are (same backward
+    # machinery in every row: docs/hooks.md, single-op calls).
+    noop.register_forward_hook(passive(lambda m, i, o: None), hook_fn_name="noop", **lin)
     noop.register_backward_hook(lambda m, gi, go: None, hook_fn_name="noopb", **lin)
     noop.deactivate_all_hooks()
     # The floor of any capture that must copy (the tensors may be modified in place later): the
@@ -223,7 +225,7 @@ def bench_overhead(tmp: Path, rounds: int, width: int = 1024, steps: int = 5, de
                 buf.copy_(t.detach())  # detached: else autograd records the copy
 
     floor = HookManager()
-    floor.register_forward_hook(lambda m, i, o: copy((id(m), "f"), o), hook_fn_name="copyf", **lin)
+    floor.register_forward_hook(passive(lambda m, i, o: copy((id(m), "f"), o)), hook_fn_name="copyf", **lin)
     floor.register_backward_hook(lambda m, gi, go: copy((id(m), "b"), gi, go), hook_fn_name="copyb", **lin)
     floor.deactivate_all_hooks()
     floor_v = (lambda c: floor.activate_all_hooks(), lambda: floor.deactivate_all_hooks())

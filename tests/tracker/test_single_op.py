@@ -17,7 +17,7 @@ import torch
 from _grad_reference import assert_same_calls, recorder, reference_grads
 from torch import nn
 
-from hookline.tracker import HookManager, backward
+from hookline.tracker import HookManager, HookOutputError, HookTypeError, backward, passive
 
 
 def identity_node_used(y: torch.Tensor, depth: int = 4) -> bool:
@@ -146,28 +146,16 @@ def test_autograd_grad_for_the_weight_only_reports_no_input_gradient(mgr):
     assert gw.shape == lin.weight.shape
 
 
-class _Passive:
-    """A forward hook function marked passive, as the recorder's are."""
-
-    _hookline_passive = True
-
-    def __init__(self):
-        self.seen = 0
-
-    def __call__(self, module, inputs, outputs):
-        self.seen += 1
-
-
 def test_passive_forward_hooks_keep_the_single_op_path_and_others_do_not(mgr):
     lin = nn.Linear(4, 4)
     calls, hook = recorder()
-    passive = _Passive()
-    mgr.register_forward_hook(passive, lin=lin)
+    seen = []
+    mgr.register_forward_hook(passive(lambda m, i, o: seen.append(o[0].detach().clone())), lin=lin)
     mgr.register_backward_hook(hook, lin=lin)
     source = torch.randn(3, 4, requires_grad=True)
     x = source * 2
     y = lin(x)
-    assert passive.seen == 1 and reads_input_edge(y, x)
+    assert len(seen) == 1 and reads_input_edge(y, x)
     y.pow(2).sum().backward()
     torch.testing.assert_close(calls["lin"][0][0][0] * 2, source.grad, rtol=0, atol=0)
     # any other forward hook function may compute with the inputs it is handed: identity node
@@ -377,3 +365,31 @@ def test_a_functional_patched_before_import_is_caught_by_the_node_kind(mgr, monk
         assert y.grad_fn.name() == "MulBackward0"
         y.sum().backward()
         assert calls["m"][0][0][0] is None
+
+
+def test_passive_marks_functions_methods_and_callables_and_refuses_what_it_cannot_mark():
+    def f(m, i, o):
+        return None
+
+    class Logger:
+        def hook(self, m, i, o):
+            return None
+
+        def __call__(self, m, i, o):
+            return None
+
+    assert passive(f) is f and f._hookline_passive is True
+    logger = Logger()
+    assert passive(logger.hook) == logger.hook and Logger().hook._hookline_passive is True
+    assert passive(logger) is logger and logger._hookline_passive is True
+    with pytest.raises(HookTypeError, match="takes a hook function, got int 5"):
+        passive(5)
+    with pytest.raises(HookTypeError, match="cannot mark <built-in function print>.*wrap it in a function"):
+        passive(print)
+
+
+def test_a_passive_hook_returning_a_replacement_is_refused(mgr):
+    lin = nn.Linear(4, 4)
+    mgr.register_forward_hook(passive(lambda m, i, o: o[0] * 2), hook_fn_name="scale", lin=lin)
+    with pytest.raises(HookOutputError, match=r"hook 'scale\[lin\]' is marked passive but returned a Tensor"):
+        lin(torch.randn(3, 4))
