@@ -23,7 +23,9 @@ in-place ones.
 turn, forward and backward timed apart (wall clock), and the medians of the per-iteration
 differences to the no-hook step are printed per hooked module. Interleaving single steps
 resolves costs far below the noise of block timings; the big matmuls make the caches cold, as
-in real training (docs/performance.md, "cold caches").
+in real training (docs/performance.md, "cold caches"). The row "same, identity node" runs the
+same backward hooks with single-op calls off (docs/hooks.md), so the two rows show what that
+path saves.
 """
 
 from __future__ import annotations
@@ -161,10 +163,21 @@ def per_call(iterations: int, width: int = 1024) -> None:
     fwd.deactivate_all_hooks()
     bwd.deactivate_all_hooks()
     torch_on, torch_off = torch_full_backward_hooks(targets)
+
+    def identity_node(on: bool) -> Callable[[], None]:
+        """The same backward hooks with single-op calls off (every call through the identity
+        node, as before 2026-11-24): what the single-op path saves, in the same process."""
+        def switch() -> None:
+            (bwd.activate_all_hooks if on else bwd.deactivate_all_hooks)()
+            for slot in bwd._slots.values():
+                slot._single_op = not on
+        return switch
+
     variants: dict[str, tuple[Callable, Callable]] = {
         "no hooks": (lambda: None, lambda: None),
         "hookline forward hook": (fwd.activate_all_hooks, fwd.deactivate_all_hooks),
         "hookline backward hook": (bwd.activate_all_hooks, bwd.deactivate_all_hooks),
+        "  same, identity node": (identity_node(True), identity_node(False)),
         "torch full backward hook": (torch_on, torch_off),
     }
     times: dict[str, list[tuple[float, float]]] = {k: [] for k in variants}
