@@ -157,15 +157,23 @@ _SINGLE_OP: dict[type, tuple[Any, tuple[str, ...]]] = {
 }
 _CLASS_FORWARD = {cls: cls.forward for cls in _SINGLE_OP}
 _F = _nn.functional
-# The function each class's forward looks up at call time: a patched one (a "quick GELU") can
-# make other nodes around the same input.
-_FUNCTION = {
-    cls: (owner, name, getattr(owner, name))
-    for cls, owner, name in (
-        (_nn.Linear, _F, "linear"), (_nn.Conv1d, _F, "conv1d"), (_nn.Conv2d, _F, "conv2d"),
-        (_nn.Conv3d, _F, "conv3d"), (_nn.LayerNorm, _F, "layer_norm"), (_nn.GELU, _F, "gelu"),
-        (_nn.Tanh, torch, "tanh"), (_nn.Sigmoid, torch, "sigmoid"), (_nn.ReLU, _F, "relu"),
-        (_nn.SiLU, _F, "silu"), (_nn.LeakyReLU, _F, "leaky_relu"),
+_C_nn = torch._C._nn
+# What each class's forward looks up at call time (module attributes, down to the builtin): a
+# patched one (a "quick GELU") can make other nodes around the same input.
+_FUNCTIONS = {
+    cls: tuple((owner, name, getattr(owner, name)) for owner, name in entries)
+    for cls, entries in (
+        (_nn.Linear, ((_F, "linear"),)),
+        (_nn.Conv1d, ((_F, "conv1d"), (_nn.Conv1d, "_conv_forward"))),
+        (_nn.Conv2d, ((_F, "conv2d"), (_nn.Conv2d, "_conv_forward"))),
+        (_nn.Conv3d, ((_F, "conv3d"), (_nn.Conv3d, "_conv_forward"))),
+        (_nn.LayerNorm, ((_F, "layer_norm"), (torch, "layer_norm"))),
+        (_nn.GELU, ((_F, "gelu"),)),
+        (_nn.Tanh, ((torch, "tanh"),)),
+        (_nn.Sigmoid, ((torch, "sigmoid"),)),
+        (_nn.ReLU, ((_F, "relu"), (torch, "relu"))),
+        (_nn.SiLU, ((_F, "silu"), (_C_nn, "silu"))),
+        (_nn.LeakyReLU, ((_F, "leaky_relu"), (_C_nn, "leaky_relu"))),
     )
 }
 _Parameter = _nn.Parameter
@@ -206,9 +214,9 @@ def single_op_input(module: nn.Module, inputs: Leaves) -> tuple[_Tensor, tuple[s
         or not rule[0](module, x)
     ):
         return None
-    owner, name, function = _FUNCTION[type(module)]
-    if getattr(owner, name) is not function:
-        return None
+    for owner, name, function in _FUNCTIONS[type(module)]:
+        if getattr(owner, name) is not function:
+            return None
     for p in module._parameters.values():
         # a tensor-subclass weight (weight-only quantisation) turns the op into several
         if p is not None and type(p) is not _Parameter:

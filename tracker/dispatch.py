@@ -159,14 +159,15 @@ class ModuleHooks:
         return unflatten_call(spec, leaves)
 
     def _outermost(self) -> bool:
-        """Whether the manager's torch pre-hook runs last and its forward hook first on the
-        module (so no other hook can change the input the op sees or the output it made)."""
+        """Whether the manager's torch pre-hook runs last and its forward hook is the module's
+        only one (no other hook can change the input the op sees, or compute with the caller's
+        input: forward hooks are handed it instead of an alias)."""
         m = self.module
         return (
             self._torch_pre is not None
             and self._torch_fwd is not None
             and next(reversed(m._forward_pre_hooks)) == self._torch_pre.id
-            and next(iter(m._forward_hooks)) == self._torch_fwd.id
+            and len(m._forward_hooks) == 1
         )
 
     def _single_op_failed(self, call: BackwardCall) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -25,20 +26,27 @@ def passive(fn: Callable[..., Any]) -> Callable[..., Any]:
     ``torch.no_grad()``), but never modifies them in place, returns a replacement, or uses them
     in a computation that autograd records. Backward hooks of the same manager on the module
     can then read ``grad_in`` off single-op modules' own graph nodes instead of an identity node
-    (docs/hooks.md, "single-op calls"): about half the per-call cost. Unmarked forward hooks are
-    assumed to compute with their inputs. The recorder's hooks are passive.
+    (docs/hooks.md, "single-op calls"). Unmarked forward hooks are assumed to compute with their
+    inputs. The recorder's hooks are passive. Mark a function before registering it.
 
     Returns ``fn`` itself (marked), so it works as a decorator; a bound method marks its
-    function, for every instance.
+    function, for every instance. The mark names the object it was put on: a wrapper made with
+    ``functools.wraps`` (which copies attributes) is not passive unless marked itself.
 
     Raises:
-        HookTypeError: ``fn`` is not callable or cannot carry the mark (a builtin).
+        HookTypeError: ``fn`` is not callable, is a registration (:class:`HookFunction`) rather
+            than the function, or cannot carry the mark (a builtin).
     """
     if not callable(fn):
         raise HookTypeError(f"passive() takes a hook function, got {type(fn).__name__} {fn!r:.60}")
+    if isinstance(fn, HookFunction):
+        raise HookTypeError(
+            f"passive() takes the hook function itself, not its registration {fn!r:.80}; mark the "
+            "function before registering it: mgr.register_forward_hook(passive(fn), ...)"
+        )
     target = getattr(fn, "__func__", fn)  # bound methods forward attribute reads to __func__
     try:
-        setattr(target, _PASSIVE, True)
+        setattr(target, _PASSIVE, weakref.ref(target))
     except (AttributeError, TypeError):
         raise HookTypeError(
             f"passive() cannot mark {fn!r:.60} ({type(fn).__name__}); wrap it in a function: "
@@ -48,8 +56,14 @@ def passive(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def is_passive(fn: Callable[..., Any]) -> bool:
-    """Whether ``fn`` was marked with :func:`passive` (or is a recorder hook)."""
-    return getattr(fn, _PASSIVE, False) is True
+    """Whether ``fn`` was marked with :func:`passive` (or its class is passive, as the
+    recorder's hooks are)."""
+    mark = getattr(fn, _PASSIVE, None)
+    if mark is None:
+        return False
+    if isinstance(mark, weakref.ref):  # put on this very object (not copied by functools.wraps)
+        return mark() is getattr(fn, "__func__", fn)
+    return getattr(type(fn), _PASSIVE, None) is True
 
 
 class HookFunction:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from _grad_reference import assert_same_calls, recorder, reference_grads
 from torch import nn
 
 from hookline.tracker import HookManager, HookOutputError, HookTypeError, backward, passive
+from hookline.tracker.handles import is_passive
 
 
 def identity_node_used(y: torch.Tensor, depth: int = 4) -> bool:
@@ -251,6 +253,40 @@ def _quantised_linear():
     return lin
 
 
+def _later_forward_hook(m):
+    return m.register_forward_hook(lambda mod, args, out: out + args[0])
+
+
+def _second_manager_forward_hook(m):
+    other = HookManager()
+    other.register_forward_hook(lambda mod, i, o: o[0] + i[0], lin=m)
+    return _Removal(other.remove_all_hooks)
+
+
+class _Removal:
+    def __init__(self, remove):
+        self.remove = remove
+
+
+@contextlib.contextmanager
+def _patched(owner, name, replacement):
+    original = getattr(owner, name)
+    setattr(owner, name, replacement)
+    try:
+        yield
+    finally:
+        setattr(owner, name, original)
+
+
+def _patched_torch_relu():
+    return _patched(torch, "relu", lambda x: x * (x > 0))
+
+
+def _patched_torch_layer_norm():
+    original = torch.layer_norm
+    return _patched(torch, "layer_norm", lambda x, *a, **k: original(x * 1, *a, **k))
+
+
 @contextlib.contextmanager
 def _quick_gelu():
     """A patched torch.nn.functional.gelu that makes a Mul node holding the input's edge."""
@@ -281,6 +317,10 @@ FALLBACKS = [  # make, input shape, set up before / after the manager's registra
     pytest.param(lambda: nn.Conv1d(2, 3, 4, padding="same"), (1, 2, 7), None, None, None, id="conv-same-even"),
     pytest.param(_quantised_linear, (4, 6), None, None, None, id="tensor-subclass-weight"),
     pytest.param(nn.GELU, (4, 6), None, None, _quick_gelu, id="patched-functional"),
+    pytest.param(nn.ReLU, (4, 6), None, None, _patched_torch_relu, id="patched-torch-relu"),
+    pytest.param(lambda: nn.LayerNorm(6), (4, 6), None, None, _patched_torch_layer_norm, id="patched-torch-layer-norm"),
+    pytest.param(lambda: nn.Linear(6, 6), (4, 6), None, _later_forward_hook, None, id="torch-forward-hook-after-using-the-input"),
+    pytest.param(lambda: nn.Linear(6, 6), (4, 6), None, _second_manager_forward_hook, None, id="second-manager-forward-hook"),
 ]
 
 
@@ -331,7 +371,7 @@ def test_a_failed_check_warns_reports_none_and_falls_back(mgr, monkeypatch):
     is None with a warning (never a wrong gradient), and later calls take the identity node."""
     monkeypatch.setitem(backward._SINGLE_OP, _TwoOps, (lambda m, x: True, ("AddBackward0",)))
     monkeypatch.setitem(backward._CLASS_FORWARD, _TwoOps, _TwoOps.forward)
-    monkeypatch.setitem(backward._FUNCTION, _TwoOps, (torch, "add", torch.add))
+    monkeypatch.setitem(backward._FUNCTIONS, _TwoOps, ((torch, "add", torch.add),))
     m = _TwoOps()
     calls, hook = recorder()
     mgr.register_backward_hook(hook, m=m)
@@ -355,7 +395,7 @@ def test_a_functional_patched_before_import_is_caught_by_the_node_kind(mgr, monk
     patched function in the snapshot): the op's node is not the one GELU makes, so the call
     reports None with a warning instead of the Mul node's (wrong) gradient."""
     with _quick_gelu():
-        monkeypatch.setitem(backward._FUNCTION, nn.GELU, (nn.functional, "gelu", nn.functional.gelu))
+        monkeypatch.setitem(backward._FUNCTIONS, nn.GELU, ((nn.functional, "gelu", nn.functional.gelu),))
         gelu = nn.GELU()
         calls, hook = recorder()
         mgr.register_backward_hook(hook, m=gelu)
@@ -378,14 +418,28 @@ def test_passive_marks_functions_methods_and_callables_and_refuses_what_it_canno
         def __call__(self, m, i, o):
             return None
 
-    assert passive(f) is f and f._hookline_passive is True
+    assert not is_passive(f)
+    assert passive(f) is f and is_passive(f)
     logger = Logger()
-    assert passive(logger.hook) == logger.hook and Logger().hook._hookline_passive is True
-    assert passive(logger) is logger and logger._hookline_passive is True
+    assert passive(logger.hook) == logger.hook and is_passive(Logger().hook)  # the function is marked
+    assert passive(logger) is logger and is_passive(logger) and not is_passive(Logger())
+
+    @functools.wraps(f)
+    def wrapper(m, i, o):  # copies f's attributes, the mark among them: not passive itself
+        return f(m, i, o)
+
+    assert not is_passive(wrapper)
+    assert is_passive(passive(wrapper))
     with pytest.raises(HookTypeError, match="takes a hook function, got int 5"):
         passive(5)
     with pytest.raises(HookTypeError, match="cannot mark <built-in function print>.*wrap it in a function"):
         passive(print)
+
+
+def test_passive_refuses_a_registration(mgr):
+    registered = mgr.register_forward_hook(lambda m, i, o: None, hook_fn_name="log", lin=nn.Linear(2, 2))
+    with pytest.raises(HookTypeError, match="not its registration HookFunction.*mark the function before registering"):
+        passive(registered)
 
 
 def test_a_passive_hook_returning_a_replacement_is_refused(mgr):
