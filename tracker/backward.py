@@ -134,7 +134,11 @@ def _batched_zero_padded(dims: int) -> Any:
     def check(module: nn.Module, x: _Tensor) -> bool:
         # unbatched inputs go through unsqueeze/squeeze, other padding modes through F.pad, and
         # padding="same" pads first when a kernel's reach is even
-        return x.dim() == dims + 2 and module.padding_mode == "zeros" and module.padding != "same"
+        # (complex inputs: F.conv* adds up real convolutions)
+        return (
+            x.dim() == dims + 2 and module.padding_mode == "zeros" and module.padding != "same"
+            and not x.is_complex()
+        )
 
     return check
 
@@ -217,9 +221,16 @@ def single_op_input(module: nn.Module, inputs: Leaves) -> tuple[_Tensor, tuple[s
     for owner, name, function in _FUNCTIONS[type(module)]:
         if getattr(owner, name) is not function:
             return None
-    for p in module._parameters.values():
-        # a tensor-subclass weight (weight-only quantisation) turns the op into several
-        if p is not None and type(p) is not _Parameter:
+    # A tensor-subclass weight (weight-only quantisation), as a parameter, a buffer or a plain
+    # attribute, turns the op into several.
+    for tensors in (module._parameters.values(), module._buffers.values()):
+        for p in tensors:
+            if p is not None and type(p) is not _Parameter and type(p) is not _Tensor:
+                return None
+    attrs = module.__dict__
+    for name in ("weight", "bias"):
+        p = attrs.get(name)
+        if p is not None and type(p) is not _Parameter and type(p) is not _Tensor:
             return None
     return x, rule[1]
 
@@ -283,7 +294,7 @@ class BackwardCall:
 
     __slots__ = (
         "module", "handles", "in_index", "in_paths", "in_skipped", "out_paths", "out_skipped",
-        "expected", "grad_in", "grad_out", "seen", "task", "fired", "edge",
+        "expected", "grad_in", "grad_out", "seen", "task", "fired", "edge", "node_hook",
     )
 
     def __init__(self, module: nn.Module, handles: tuple[HookHandle, ...], inputs: Leaves) -> None:
@@ -305,7 +316,8 @@ class BackwardCall:
         self.fired = False
         # single-op calls: the input's gradient edge (node, output_nr) until the forward hook
         # found it on the op's node
-        self.edge: tuple[Any, int] | None = None
+        self.edge: tuple[Any, int, tuple[str, ...]] | None = None
+        self.node_hook: Any = None  # single-op calls: the handle of the post-hook on the op node
 
     # --- forward ---------------------------------------------------------------------------
     def wrap_inputs(self, inputs: Leaves) -> tuple[Leaves, PendingInputs | None]:
@@ -348,7 +360,8 @@ class BackwardCall:
                 found = j
         if found < 0:
             return self._unattached()
-        op.register_hook(partial(self._on_node, found))
+        # (the handle holds the node's hook dict weakly: no reference cycle through the graph)
+        self.node_hook = op.register_hook(partial(self._on_node, found))
         return True
 
     def _unattached(self) -> bool:
@@ -394,6 +407,17 @@ class BackwardCall:
         return not self.fired
 
     def _on_grad_out(self, positions: list[int], grad: _Tensor) -> None:
+        hook = self.node_hook
+        if hook is not None:
+            # Single-op call, its op about to run: post-hooks put on the op's node since the
+            # forward (a parent module's legacy backward hook, the user's grad_fn.register_hook)
+            # may change the gradients it passes on; ours runs after them, so grad_in is what
+            # reaches the input, as through the identity node.
+            hooks = hook.hooks_dict_ref()
+            if hooks is not None and len(hooks) > 1:
+                # (pop and insert again: torch walks the dict in insertion order, which
+                # OrderedDict.move_to_end does not change)
+                hooks[hook.id] = hooks.pop(hook.id)
         if self._in_pass():
             for i in positions:
                 self.grad_out[i] = grad  # type: ignore[index]

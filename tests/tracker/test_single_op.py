@@ -447,3 +447,62 @@ def test_a_passive_hook_returning_a_replacement_is_refused(mgr):
     mgr.register_forward_hook(passive(lambda m, i, o: o[0] * 2), hook_fn_name="scale", lin=lin)
     with pytest.raises(HookOutputError, match=r"hook 'scale\[lin\]' is marked passive but returned a Tensor"):
         lin(torch.randn(3, 4))
+
+
+@pytest.mark.filterwarnings("ignore:Using a non-full backward hook:FutureWarning")  # torch on its legacy hook
+@pytest.mark.parametrize("where", ["parent-legacy-backward-hook", "user-node-post-hook"])
+def test_post_hooks_added_to_the_op_node_later_are_seen(mgr, where):
+    """Post-hooks put on the op's node after the forward hook (a parent's legacy backward hook
+    lands there when the module is its last layer) may change what the op passes on: grad_in is
+    what reaches the input, as through the identity node."""
+    lin = nn.Linear(4, 3)
+    parent = nn.Sequential(lin)
+    calls, hook = recorder()
+    mgr.register_backward_hook(hook, lin=lin)
+    source = torch.randn(2, 4, requires_grad=True)
+    x = source * 1
+    reaching = []
+    x.register_hook(reaching.append)
+    handle = None
+    if where == "parent-legacy-backward-hook":
+        handle = parent.register_backward_hook(lambda m, gi, go: tuple(None if g is None else g / 2 for g in gi))
+    y = parent(x)
+    assert reads_input_edge(y, x)
+    if where == "user-node-post-hook":
+        y.grad_fn.register_hook(lambda gi, go: tuple(None if g is None else g.clamp(-0.1, 0.1) for g in gi))
+    try:
+        y.pow(2).sum().backward()
+    finally:
+        if handle is not None:
+            handle.remove()
+    torch.testing.assert_close(calls["lin"][0][0][0], reaching[0], rtol=0, atol=0)
+    assert not torch.equal(calls["lin"][0][1][0] @ lin.weight, reaching[0])  # the hook did change it
+
+
+def test_complex_convolution_uses_the_identity_node(mgr):
+    conv = nn.Conv2d(2, 3, 3, dtype=torch.complex64)
+    calls, hook = recorder()
+    mgr.register_backward_hook(hook, conv=conv)
+    source = torch.randn(1, 2, 5, 5, dtype=torch.complex64, requires_grad=True)
+    y = conv(source * 1)
+    assert identity_node_used(y, depth=6)
+    y.abs().sum().backward()
+    torch.testing.assert_close(calls["conv"][0][0][0], source.grad, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("held_as", ["buffer", "attribute"])
+def test_a_tensor_subclass_weight_held_as_buffer_or_attribute_uses_the_identity_node(mgr, held_as):
+    lin = nn.Linear(6, 5)
+    weight = lin.weight.detach().as_subclass(_Int8Weight)
+    del lin.weight
+    if held_as == "buffer":
+        lin.register_buffer("weight", weight)
+    else:
+        lin.weight = weight  # not a Parameter: a plain attribute
+    calls, hook = recorder()
+    mgr.register_backward_hook(hook, lin=lin)
+    source = torch.randn(4, 6, requires_grad=True)
+    y = lin(source * 1)
+    assert identity_node_used(y, depth=6)
+    y.pow(2).sum().backward()
+    torch.testing.assert_close(calls["lin"][0][0][0], source.grad, rtol=0, atol=0)
