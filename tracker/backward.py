@@ -369,7 +369,18 @@ class BackwardCall:
         return False
 
     def _on_node(self, j: int, grad_inputs: tuple, grad_outputs: tuple) -> None:
-        self.on_grad_in((grad_inputs[j],))
+        grad = grad_inputs[j]
+        hooks = self.node_hook.hooks_dict_ref()
+        # torch runs the node's Python post-hooks in the dict's insertion order (dict.keys, not
+        # the OrderedDict's own order): one added during this pass after _on_grad_out put ours
+        # last may still change what reaches the input. Never report a stale value.
+        if hooks is not None and next(reversed(dict.keys(hooks))) != self.node_hook.id:
+            grad = None
+            self.handles[0]._slot.single_op_failed(
+                self, "a post-hook was added to its op's node during the backward pass, after "
+                "hookline's, and may change what reaches the input"
+            )
+        self.on_grad_in((grad,))
 
     def watch_outputs(self, outputs: Leaves) -> None:
         """Register one tensor hook per distinct grad-requiring, non-leaf output tensor."""

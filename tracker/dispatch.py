@@ -170,15 +170,20 @@ class ModuleHooks:
             and len(m._forward_hooks) == 1
         )
 
-    def _single_op_failed(self, call: BackwardCall) -> None:
+    def single_op_failed(self, call: BackwardCall, why: str | None = None) -> None:
+        """A single-op call cannot report its ``grad_in``: warn, and send the module's later
+        calls through the identity node."""
         self._single_op = False
+        why = why or (
+            "the module did not compute its output with one op on its input (something replaced "
+            "the op or ran between the input and the op)"
+        )
         warnings.warn(
-            f"hookline: backward hook {call.handles[0].name!r}: this call of "
-            f"{type(self.module).__name__} did not compute its output with one op on its input "
-            "(something replaced the op or ran between the input and the op), so its grad_in is None "
-            "for this call; later calls of the module take the identity node (docs/hooks.md, "
-            "single-op calls). If no patch, hook or subclass of yours is involved, please report "
-            f"it with your torch version ({torch.__version__}).",
+            f"hookline: backward hook {call.handles[0].name!r} on a call of "
+            f"{type(self.module).__name__}: {why}, so its grad_in is None for this call; later "
+            "calls of the module take the identity node (docs/hooks.md, single-op calls). If no "
+            "patch, hook or subclass of yours is involved, please report it with your torch "
+            f"version ({torch.__version__}).",
             RuntimeWarning,
             stacklevel=_caller_level(),
         )
@@ -195,7 +200,7 @@ class ModuleHooks:
         # A single-op call's node is found before the forward hooks run: one of them may modify
         # or replace the output.
         if type(entry) is BackwardCall and entry.edge is not None and not entry.attach_node(output):
-            self._single_op_failed(entry)
+            self.single_op_failed(entry)
         leaves: Leaves | None = None
         replaced = False
         if self.fwd:

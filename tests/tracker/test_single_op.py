@@ -506,3 +506,34 @@ def test_a_tensor_subclass_weight_held_as_buffer_or_attribute_uses_the_identity_
     assert identity_node_used(y, depth=6)
     y.pow(2).sum().backward()
     torch.testing.assert_close(calls["lin"][0][0][0], source.grad, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("added_from", ["tensor-hook", "node-pre-hook"])
+def test_a_post_hook_added_during_backward_is_reported_not_missed(mgr, added_from):
+    """A post-hook put on the op's node during the pass, after the manager's reorder, runs after
+    the manager's: grad_in is None with a warning (never the value before that hook), and the
+    module's later calls take the identity node."""
+    lin = nn.Linear(4, 3)
+    calls, hook = recorder()
+    mgr.register_backward_hook(hook, lin=lin)
+    source = torch.randn(2, 4, requires_grad=True)
+    x = source * 1
+    y = lin(x)
+    assert reads_input_edge(y, x)
+
+    def clamp(gi, go):
+        return tuple(None if g is None else g.clamp(-0.1, 0.1) for g in gi)
+
+    if added_from == "tensor-hook":
+        y.register_hook(lambda g: (y.grad_fn.register_hook(clamp), None)[1])
+    else:
+        y.grad_fn.register_prehook(lambda go: (y.grad_fn.register_hook(clamp), None)[1])
+    with pytest.warns(RuntimeWarning, match="post-hook was added to its op's node during the backward pass"):
+        y.pow(2).sum().backward()
+    assert calls["lin"][0][0][0] is None
+    calls["lin"].clear()
+    source.grad = None
+    y = lin(source * 1)
+    assert identity_node_used(y)
+    y.pow(2).sum().backward()
+    torch.testing.assert_close(calls["lin"][0][0][0], source.grad, rtol=0, atol=0)
