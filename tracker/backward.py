@@ -21,7 +21,7 @@ an out-of-place pointwise activation: :data:`_SINGLE_OP`) creates one graph node
 that node's edge to the input already carries exactly the call's contribution to the input's
 gradient. For such calls the pre-hook only notes the input's gradient edge, and the forward hook
 checks that the output's node has that edge exactly once and registers a post-hook on the node
-(:meth:`BackwardCall.attach_node`): the same ``grad_in`` as through the identity node, for 13-18% less
+(:meth:`BackwardCall.attach_node`): the same ``grad_in`` as through the identity node, for 8-10% less
 per call inside a training step (docs/hooks.md). The pre-hook takes this path only
 when nothing can come between the input it saw and the op and nothing else uses the input during
 the call (:func:`single_op_input` and ``ModuleHooks``: the class's own ``forward`` and
