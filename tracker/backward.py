@@ -191,8 +191,9 @@ def single_op_input(module: nn.Module, inputs: Leaves) -> tuple[_Tensor, tuple[s
     """The input of a call whose gradient can be read off the call's one op node, and the names
     that node may have; None when the call must take the identity node.
 
-    The manager's pre-hook asks only when it is the module's last forward pre-hook and its
-    forward hook the module's first (no other hook can change the input or the output).
+    The manager's pre-hook asks only when it is the module's last forward pre-hook, its forward
+    hook the module's only one, and all its forward hook functions passive (no other hook can
+    change the input or the output, or compute with the input).
     """
     rule = _SINGLE_OP.get(type(module))
     if rule is None or len(inputs) != 1:
@@ -314,8 +315,8 @@ class BackwardCall:
         self.seen = 0
         self.task = -1  # id of the backward pass (autograd graph task) the state belongs to
         self.fired = False
-        # single-op calls: the input's gradient edge (node, output_nr) until the forward hook
-        # found it on the op's node
+        # single-op calls: the input's gradient edge (node, output_nr) and the op node names
+        # allowed, until the forward hook found it on the op's node
         self.edge: tuple[Any, int, tuple[str, ...]] | None = None
         self.node_hook: Any = None  # single-op calls: the handle of the post-hook on the op node
 
