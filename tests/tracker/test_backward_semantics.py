@@ -32,16 +32,17 @@ def test_fires_under_autograd_grad_and_never_waits_for_parameters(mgr):
     assert m[0].weight.grad is None
 
 
-def test_autograd_grad_stopping_before_inputs_fires_at_end_of_pass(mgr):
+@pytest.mark.parametrize("leaf_input", [True, False], ids=["identity-node", "single-op"])
+def test_autograd_grad_stopping_before_inputs_fires_at_end_of_pass(mgr, leaf_input):
     lin = nn.Linear(4, 4)
     calls, hook = counter()
     mgr.register_backward_hook(hook, lin=lin)
     x = torch.randn(3, 4, requires_grad=True)
-    y = lin(x)
+    y = lin(x if leaf_input else x * 1)  # a non-leaf input takes the single-op path
     (gy,) = torch.autograd.grad((y * 2).sum(), y)
     assert len(calls) == 1
     _, grad_in, grad_out = calls[0]
-    assert grad_in[0] is None  # the input node never ran
+    assert grad_in[0] is None  # neither the input node nor the op ran
     torch.testing.assert_close(grad_out[0], gy)
 
 
