@@ -91,6 +91,11 @@ class _CallInputs(torch.autograd.Function):
         ctx.call.on_grad_in(grads)
         return (None, *grads)
 
+    @staticmethod
+    def jvp(ctx: Any, call_tangent: None, *tangents: _Tensor | None) -> tuple[_Tensor | None, ...]:  # type: ignore[override]
+        # forward-mode AD (dual tensors) through a hooked call: an identity passes tangents on
+        return tangents
+
 
 # torch's C ``apply``, bound to _CallInputs: ``Function.apply`` adds a Python layer that is
 # paid inside every training step, where the matmuls have evicted it from the caches. Used only

@@ -625,3 +625,24 @@ def test_tensor_subclass_outputs_get_their_hooks_through_register_hook(mgr):
     assert len(calls) == 1
     torch.testing.assert_close(calls[0][2][0], torch.ones(3), rtol=0, atol=0)
     torch.testing.assert_close(calls[0][1][0], torch.full((3,), 2.0), rtol=0, atol=0)
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")  # torch's jvp rules
+@pytest.mark.parametrize("shape", [(2, 2, 3), (4, 3)], ids=["identity-node", "single-op"])
+def test_forward_mode_ad_passes_through_hooked_modules(mgr, shape):
+    """Dual tensors (torch.autograd.forward_ad) through a call with backward hooks: the tangent
+    is the module's jvp (the identity node once raised NotImplementedError: no jvp), and the
+    backward hook still gets the exact grad_in."""
+    import torch.autograd.forward_ad as fwAD
+
+    lin = nn.Linear(3, 3)
+    calls, hook = counter()
+    mgr.register_backward_hook(hook, lin=lin)
+    x = torch.randn(*shape, requires_grad=True)
+    tangent = torch.randn(*shape)
+    with fwAD.dual_level():
+        out = lin(fwAD.make_dual(x, tangent) * 1)
+        got = fwAD.unpack_dual(out).tangent
+    torch.testing.assert_close(got, tangent @ lin.weight.detach().T)  # the jvp of a Linear
+    out.sum().backward()
+    torch.testing.assert_close(calls[0][1][0], x.grad, rtol=0, atol=0)
