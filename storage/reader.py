@@ -270,10 +270,19 @@ class Handle:
         self.gaps: list[tuple[int | None, int, int]] = []
         #: Files that could not be read (they are skipped; ``hookline verify`` reports/repairs).
         self.problems: list[str] = []
+        self._entries = entries
+        self._discover()
+        self._loaded = False
+        self._fields: dict[str, Field] = {}
+
+    def _discover(self) -> None:
+        """List the handle's files (final file, or sealed segments of a live or killed run)."""
+        self.gaps = []
         self._refs: list[_Ref] = []
         self._damaged: list[str] = []
+        run = self.run
         src = run.source
-        for m, e in entries:
+        for m, e in self._entries:
             rank = m.get("rank")
             if hasattr(src, "discover"):
                 d = src.discover(e["key"], rank_suffix(rank, m.get("world_size")))
@@ -283,20 +292,29 @@ class Handle:
             elif e.get("records", 1) or e.get("file"):
                 self._refs.append(_Ref(src, e["file"], rank, run.files))
         self._files = list(self._refs)  # (_refs keeps the readable ones once loaded)
-        self._loaded = False
-        self._fields: dict[str, Field] = {}
 
     # --- loading -------------------------------------------------------------------------------------
     def _load(self) -> None:
         if self._loaded:
             return
-        parts, refs, errors = [], [], []
-        for r in self._refs:
-            try:
-                parts.append(r.open(self.id))
-                refs.append(r)
-            except (StorageError, FormatError) as e:
-                errors.append(e)
+        for attempt in (1, 2):
+            parts, refs, errors = [], [], []
+            for r in self._refs:
+                try:
+                    parts.append(r.open(self.id))
+                    refs.append(r)
+                except (StorageError, FormatError) as e:
+                    errors.append(e)
+            if attempt == 1 and any(isinstance(e.__cause__, FileNotFoundError) for e in errors):
+                # A live run's writer merged or sealed files since the handle listed them (close()
+                # merges segments into the final file): list again, once; not damage.
+                for r in refs:
+                    if r.part is not None:
+                        r.part.close()
+                        r.part = None
+                self._discover()
+                continue
+            break
         for e in errors:
             # A damaged complete file (external corruption): read the others (if any: a handle
             # whose every file is damaged reads as empty, like one whose final file is), say so

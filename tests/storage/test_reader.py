@@ -99,6 +99,23 @@ def test_reads_live_and_killed_runs_without_repair(run_dir):
     assert len(open_run(run_dir)[HID]) == 15
 
 
+def test_a_handle_listed_before_close_reads_the_merged_file(run_dir, recwarn):
+    """close() merges a live run's segments into the final file: a handle that listed the
+    segments before reads the merged file after, with no "unreadable file" warning (an MLflow
+    pass racing close() used to warn so)."""
+    w = write_std_run(run_dir, n=10)
+    w.flush()
+    for i in range(10, 15):
+        w.write(HID, i, 0, {"outputs.0": record_value(i)})
+    w.flush()  # two sealed segments
+    handle = open_run(run_dir)[HID]  # lists the segments now, opens them on first read
+    w.close()
+    assert not list((run_dir / "outputs").glob("*.h5seg"))  # merged away
+    assert len(handle) == 15 and np.array_equal(handle["outputs.0"][12], record_value(12))
+    assert not handle.problems
+    assert not [w for w in recwarn if "unreadable" in str(w.message)]
+
+
 def test_random_access_reads_only_one_record(run_dir):
     """rdcc_nbytes=0 and per-record chunks: one record costs ~ its own bytes, not the file."""
     with RunWriter(run_dir) as w:
