@@ -267,7 +267,6 @@ class Handle:
         self.category: str = e0.get("category", "")
         self.hook_fn_name: str = e0.get("hook_fn_name", "")
         self.meta: dict[str, Any] = dict(e0.get("meta") or {})
-        self.gaps: list[tuple[int | None, int, int]] = []
         #: Files that could not be read (they are skipped; ``hookline verify`` reports/repairs).
         self.problems: list[str] = []
         self._entries = entries
@@ -277,7 +276,7 @@ class Handle:
 
     def _discover(self) -> None:
         """List the handle's files (final file, or sealed segments of a live or killed run)."""
-        self.gaps = []
+        self.gaps: list[tuple[int | None, int, int]] = []
         self._refs: list[_Ref] = []
         self._damaged: list[str] = []
         run = self.run
@@ -308,10 +307,7 @@ class Handle:
             if attempt == 1 and any(isinstance(e.__cause__, FileNotFoundError) for e in errors):
                 # A live run's writer merged or sealed files since the handle listed them (close()
                 # merges segments into the final file): list again, once; not damage.
-                for r in refs:
-                    if r.part is not None:
-                        r.part.close()
-                        r.part = None
+                self._close()
                 self._discover()
                 continue
             break
