@@ -12,10 +12,10 @@ from hookline.storage.errors import (
     RunExistsError,
     UnknownNameError,
 )
-from hookline.tracker.handles import HookFunction, HookHandle, passive
-from hookline.tracker.manager import HookManager
-from hookline.tracker.pytree import Leaves
-from hookline.tracker.select import select
+from hookline.tracker.hooks.handles import HookFunction, HookHandle, passive
+from hookline.tracker.hooks.manager import HookManager
+from hookline.tracker.hooks.pytree import Leaves
+from hookline.tracker.hooks.select import select
 
 __all__ = [
     "DuplicateNameError",
@@ -35,7 +35,7 @@ __all__ = [
 ]
 
 # Recorder is re-exported below by the capture module.
-from .recorder import Recorder, RecorderSummary  # noqa: E402
-from .stats import StatsSpec  # noqa: E402
+from .capture.recorder import Recorder, RecorderSummary  # noqa: E402
+from .capture.stats import StatsSpec  # noqa: E402
 
 __all__ += ["Recorder", "RecorderSummary", "StatsSpec"]

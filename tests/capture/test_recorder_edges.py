@@ -10,8 +10,8 @@ from torch import nn
 
 from hookline.storage import HookTypeError, InvalidArgumentError, open_run
 from hookline.tracker import HookFunctionError, HookManager, Recorder
-from hookline.tracker.packer import RAGGED_RESET
-from hookline.tracker.stats import StatsSpec
+from hookline.tracker.capture.packer import RAGGED_RESET
+from hookline.tracker.capture.stats import StatsSpec
 
 
 def recorded_identity(tmp_path, **kwargs):

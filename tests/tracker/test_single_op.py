@@ -18,8 +18,9 @@ import torch
 from _grad_reference import assert_same_calls, recorder, reference_grads
 from torch import nn
 
-from hookline.tracker import HookManager, HookOutputError, HookTypeError, backward, passive
-from hookline.tracker.handles import is_passive
+from hookline.tracker import HookManager, HookOutputError, HookTypeError, passive
+from hookline.tracker.hooks import backward
+from hookline.tracker.hooks.handles import is_passive
 
 
 def identity_node_used(y: torch.Tensor, depth: int = 4) -> bool:

@@ -8,7 +8,7 @@ from torch import nn
 
 from hookline.storage.errors import HookTypeError
 
-from .distributed import unwrap
+from hookline.tracker.capture.distributed import unwrap
 
 __all__ = ["select"]
 

@@ -18,14 +18,14 @@ import torch
 from torch import nn
 
 from hookline.storage.errors import HookOutputError
-from hookline.tracker.backward import BackwardCall, PendingInputs, single_op_input
-from hookline.tracker.handles import is_passive
-from hookline.tracker.pytree import Leaves, flatten, flatten_call, unflatten, unflatten_call
+from hookline.tracker.hooks.backward import BackwardCall, PendingInputs, single_op_input
+from hookline.tracker.hooks.handles import is_passive
+from hookline.tracker.hooks.pytree import Leaves, flatten, flatten_call, unflatten, unflatten_call
 
 if TYPE_CHECKING:
     from torch.utils.hooks import RemovableHandle
 
-    from hookline.tracker.handles import HookHandle
+    from hookline.tracker.hooks.handles import HookHandle
 
 __all__ = ["ModuleHooks"]
 
@@ -252,7 +252,7 @@ def _skip_in_transform(handles: tuple[HookHandle, ...]) -> None:
         )
 
 
-_SKIP_DIRS = (os.path.dirname(torch.__file__), os.path.dirname(__file__))
+_SKIP_DIRS = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(__file__)))  # torch, hookline.tracker
 
 
 def _caller_level() -> int:

@@ -54,12 +54,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn as _nn
 
-from hookline.tracker.pytree import Leaves
+from hookline.tracker.hooks.pytree import Leaves
 
 if TYPE_CHECKING:
     from torch import nn
 
-    from hookline.tracker.handles import HookHandle
+    from hookline.tracker.hooks.handles import HookHandle
 
 __all__ = ["BackwardCall", "PendingInputs"]
 

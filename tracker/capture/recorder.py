@@ -28,7 +28,7 @@ from hookline.storage.errors import (
 from hookline.storage.format import MANIFEST_RE, MAX_STEP, manifest_name, read_manifest
 from hookline.storage.writer import RunWriter, WriterStats, weak_closer
 
-from .capture import CaptureHook, CaptureOptions, _Binding, field_tensors
+from .hook import CaptureHook, CaptureOptions, _Binding, field_tensors
 from .convert import BufferPool
 from .distributed import broadcast_run_id, check_same_handles, detect, gather
 from .packer import BlockPacker

@@ -17,7 +17,7 @@ import torch
 
 from hookline.storage.errors import HookTypeError, InvalidArgumentError
 
-from .pytree import _index_paths
+from hookline.tracker.hooks.pytree import _index_paths
 from .stats import StatsSpec, compute_stats
 
 if TYPE_CHECKING:  # pragma: no cover

@@ -11,8 +11,8 @@ from torch import nn
 from hookline.storage.errors import HookFunctionError, HookTypeError, InvalidArgumentError
 
 if TYPE_CHECKING:
-    from hookline.tracker.dispatch import ModuleHooks
-    from hookline.tracker.manager import HookManager
+    from hookline.tracker.hooks.dispatch import ModuleHooks
+    from hookline.tracker.hooks.manager import HookManager
 
 __all__ = ["HookFunction", "HookHandle", "passive"]
 

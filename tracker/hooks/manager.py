@@ -1,7 +1,7 @@
 """HookManager: register, find, (de)activate and remove module hooks by name.
 
 Registration, lookup tables and filters follow TackleBox (every example of its README runs
-unchanged); the hooks themselves are served by one :class:`~hookline.tracker.dispatch.ModuleHooks`
+unchanged); the hooks themselves are served by one :class:`~hookline.tracker.hooks.dispatch.ModuleHooks`
 per module, which installs torch hooks only while some handle of that module is active.
 """
 
@@ -21,8 +21,8 @@ from hookline.storage.errors import (
     InvalidArgumentError,
     UnknownNameError,
 )
-from hookline.tracker.dispatch import ModuleHooks
-from hookline.tracker.handles import HookFunction, HookHandle
+from hookline.tracker.hooks.dispatch import ModuleHooks
+from hookline.tracker.hooks.handles import HookFunction, HookHandle
 
 __all__ = ["CATEGORIES", "HookManager"]
 
