@@ -17,6 +17,7 @@ import torch
 
 from hookline.storage.errors import HookTypeError, InvalidArgumentError
 
+from hookline.tracker.hooks.handles import passive
 from hookline.tracker.hooks.pytree import _index_paths
 from .stats import StatsSpec, compute_stats
 
@@ -106,10 +107,6 @@ class CaptureHook:
     Its ``repr`` is its short name, so handle ids read ``outputs[blocks.0]``.
     """
 
-    #: It only copies what it sees (detached) and returns None: passive (see
-    #: :func:`hookline.tracker.passive`), which keeps backward hooks' single-op calls possible.
-    _hookline_passive = True
-
     def __init__(self, recorder: Recorder, options: CaptureOptions, name: str | None = None) -> None:
         self._recorder = recorder
         self.options = options
@@ -117,6 +114,9 @@ class CaptureHook:
         # (id(module), category) -> binding: rec.inputs may be a pre hook and a forward hook
         # of the same module at once.
         self._bindings: dict[tuple[int, str], _Binding] = {}
+        # It only copies what it sees (detached) and returns None: passive, which keeps backward
+        # hooks' single-op calls possible.
+        passive(self)
 
     def __repr__(self) -> str:
         return self.name

@@ -386,7 +386,7 @@ class Recorder:
         """Suspend the handles on skipped steps and inside paused(); release them otherwise."""
         off = self._paused > 0 or not self._sampled
         for _, b in self._bindings:
-            b.handle._suspend(off)
+            b.handle.set_suspended(off)
 
     @contextmanager
     def step(self, step: int) -> Iterator[int]:
@@ -463,7 +463,7 @@ class Recorder:
             self._packer.handles = len(self._bindings)  # sizes blocks: see BlockPacker.handles
             self._hook_seconds.setdefault(binding.handle_id, 0.0)
             self._skipped.setdefault(binding.handle_id, [])
-            handle._suspend(self._paused > 0 or not self._sampled)
+            handle.set_suspended(self._paused > 0 or not self._sampled)
 
     def _unbind(self, hook: CaptureHook, binding: _Binding) -> None:
         with self._lock:

@@ -258,13 +258,13 @@ class HookManager:
                 module.name = module_name
                 _NAME_USERS[module] = [(id(self), module_name)]
         slot.registered += 1
-        handle = HookHandle(self, hook_fn, module, module_name, slot, next(self._order))
+        handle = HookHandle(hook_fn, module, module_name, slot, next(self._order), self._forget)
         hook_fn.module_to_handle[module] = handle
         self.name_to_hookhandle[handle.name] = handle
         return handle
 
     def _forget(self, handle: HookHandle) -> None:
-        """Purge a removed handle (called by :meth:`HookHandle.remove`)."""
+        """Purge a removed handle (its ``on_remove``, called by :meth:`HookHandle.remove`)."""
         hook_fn, module = handle.hook_fn, handle.module
         if self.name_to_hookhandle.get(handle.name) is handle:
             del self.name_to_hookhandle[handle.name]
