@@ -18,7 +18,7 @@ import torch
 from hookline.storage.errors import HookTypeError, InvalidArgumentError
 
 from hookline.tracker.hooks.handles import passive
-from hookline.tracker.hooks.pytree import _index_paths
+from hookline.tracker.hooks.pytree import index_paths
 from .stats import StatsSpec, compute_stats
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -194,7 +194,7 @@ def field_tensors(
     stats = options.mode == "stats"
     k = options.batch_slice
     for prefix, leaves in groups:
-        paths = getattr(leaves, "paths", None) or _index_paths(len(leaves))
+        paths = getattr(leaves, "paths", None) or index_paths(len(leaves))
         group_names = _names(prefix, paths)
         leaf_skipped = getattr(leaves, "skipped", ())
         if leaf_skipped:
