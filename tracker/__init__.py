@@ -12,6 +12,9 @@ from hookline.storage.errors import (
     RunExistsError,
     UnknownNameError,
 )
+from hookline.tracker.capture.recorder import Recorder
+from hookline.tracker.capture.stats import StatsSpec
+from hookline.tracker.capture.summary import RecorderSummary
 from hookline.tracker.hooks.handles import HookFunction, HookHandle, passive
 from hookline.tracker.hooks.manager import HookManager
 from hookline.tracker.hooks.pytree import Leaves
@@ -28,14 +31,11 @@ __all__ = [
     "HookTypeError",
     "InvalidArgumentError",
     "Leaves",
+    "Recorder",
+    "RecorderSummary",
     "RunExistsError",
+    "StatsSpec",
     "UnknownNameError",
     "passive",
     "select",
 ]
-
-# Recorder is re-exported below by the capture module.
-from .capture.recorder import Recorder, RecorderSummary  # noqa: E402
-from .capture.stats import StatsSpec  # noqa: E402
-
-__all__ += ["Recorder", "RecorderSummary", "StatsSpec"]
