@@ -93,7 +93,14 @@ class CaptureOptions:
 
 @dataclass
 class Binding:
-    """One handle a capture hook is registered under, as its sink knows it."""
+    """One handle a capture hook is registered under, as its sink knows it.
+
+    Attributes:
+        handle: the manager's handle.
+        handle_id: its id, ``"<hook name>[<module name>]"`` (the writer handle's name).
+        category: the manager category it was registered as (``"forward_hook"``...).
+        options: the capture options of the hook.
+    """
 
     handle: HookHandle
     handle_id: str

@@ -39,14 +39,17 @@ class RecorderSummary:
 
     @property
     def records(self) -> int:
+        """Records the writer took, all handles together."""
         return self.storage.records
 
     @property
     def bytes(self) -> int:
+        """Bytes of those records."""
         return self.storage.bytes
 
     @property
     def dropped(self) -> int:
+        """Records dropped under policy ``"drop"``."""
         return self.storage.dropped
 
     @property

@@ -1,4 +1,5 @@
-"""HookFunction (a registered hook function) and HookHandle (one function on one module)."""
+"""Hook registrations: HookFunction (a registered function), HookHandle (one function on one
+module, switched on and off through its module's slot) and the passive mark."""
 
 from __future__ import annotations
 
