@@ -10,7 +10,7 @@ Data comes from a *source* with two methods, so local directories and MLflow run
     manifests() -> list[dict]        # parsed manifest JSON, one per rank
     path(rel: str) -> pathlib.Path   # local path of a file of the run (may download it)
 
-A source may also offer ``discover(key, suffix) -> _segments.Discovery`` to list segment files
+A source may also offer ``discover(key, suffix) -> _parts.Discovery`` to list segment files
 (the local source does; remote sources provide only the final files named in the manifest).
 """
 
@@ -27,8 +27,9 @@ import h5py
 import numpy as np
 
 from . import dtypes
-from ._h5file import FileLRU, Part, PartField, check_max_open_files, open_part
-from ._segments import Discovery, discover_files
+from ._fs import check_max_open_files
+from ._h5read import FileLRU, Part, PartField, open_part
+from ._parts import Discovery, discover_files
 from .errors import FormatError, HookTypeError, InvalidArgumentError, RecordIndexError, StorageError, UnknownNameError
 from .format import FORMAT_VERSION, MANIFEST_RE, RUN_FORMAT, check_manifest, rank_suffix, read_manifest
 

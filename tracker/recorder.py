@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import atexit
 import logging
-import numbers
 import os
 import threading
 import time
@@ -17,6 +16,7 @@ from typing import Any, Iterable, Iterator, Mapping
 import numpy as np
 import torch
 
+from hookline.storage.budget import Budget
 from hookline.storage.errors import (
     DuplicateNameError,
     HookTypeError,
@@ -26,7 +26,8 @@ from hookline.storage.errors import (
     WriterClosedError,
 )
 from hookline.storage.format import MANIFEST_RE, MAX_STEP, manifest_name, read_manifest
-from hookline.storage.writer import RunWriter, WriterStats, weak_closer
+from hookline.storage.lifecycle import weak_closer
+from hookline.storage.writer import RunWriter, WriterStats
 
 from .capture import CaptureHook, CaptureOptions, _Binding, field_tensors
 from .convert import BufferPool
@@ -228,12 +229,7 @@ class Recorder:
                 raise InvalidArgumentError(
                     f"meta key {own[0]!r} is written by the recorder itself ({', '.join(_OWN_META)}); "
                     f"rename yours (e.g. 'user_{own[0]}')")
-        if isinstance(max_buffer_mb, bool) or not isinstance(max_buffer_mb, numbers.Real):
-            raise HookTypeError(f"max_buffer_mb must be a number of MB, got {type(max_buffer_mb).__name__} "
-                                f"{max_buffer_mb!r:.60}")
-        if not 0 < max_buffer_mb < float("inf"):
-            raise InvalidArgumentError(f"max_buffer_mb must be a positive number, got {max_buffer_mb!r}")
-        max_buffer_mb = float(max_buffer_mb)
+        budget = Budget(max_buffer_mb)
         for arg, v in (("mlflow_run_id", mlflow_run_id), ("tracking_uri", tracking_uri)):
             if v is not None and not isinstance(v, str):
                 raise HookTypeError(f"{arg} must be a str or None, got {type(v).__name__} {v!r:.60}")
@@ -269,11 +265,10 @@ class Recorder:
                     f"{str(self.run_dir)!r} already holds a run ({held[0]}); record into a new "
                     f"directory, or pass resume=True to continue that run (e.g. after a crash)")
         # The budget covers the blocks being filled (tracker/packer.py) and the writer's queue.
-        budget = int(max_buffer_mb * 2**20)
-        open_bytes = min(budget // 4, 64 << 20)
+        open_bytes = budget.open_blocks_bytes
         self._writer = RunWriter(
             self.run_dir,
-            max_buffer_mb=(budget - open_bytes) / 2**20,
+            max_buffer_mb=budget.writer_share_mb,
             policy=policy,
             compression=compression,
             rank=rank,
