@@ -8,7 +8,7 @@ Its rooms, one job each:
 * :mod:`.queue` — messages to the writer thread within the memory budget (backpressure);
 * :mod:`.thread` — the writer thread's loop: staging, flush, close, failure;
 * :mod:`.staging` — the part being written: records staged per field, whole chunks written;
-* :mod:`.sealing` — opening parts within ``max_open_files``, sealing and publishing them;
+* :mod:`.open_parts` — the open parts: opened within ``max_open_files``, sealed, published;
 * :mod:`.merging` — compaction of sealed parts and the final ``<key>.h5`` at close;
 * :mod:`.manifest` — the run's identity and its manifest;
 * :mod:`.context`, :mod:`.failure`, :mod:`.norms`, :mod:`.stats` — shared state, error messages,

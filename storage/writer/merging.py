@@ -13,7 +13,7 @@ import threading
 from pathlib import Path
 from typing import Callable
 
-from .. import _fs
+from .._fs import fsync_dir, publish
 from .._h5write import HandleFileWriter
 from .._merge import merge_files
 from .._parts import PartEntry
@@ -129,7 +129,7 @@ class Compactor:
         out = ctx.run_dir / name
         tmp = ctx.run_dir / merge_output_name(h.key, h.suffix, start, end)
         _merge(ctx, h, [ctx.run_dir / s.name for s in run], tmp, record_start=start)
-        _fs.publish([(tmp, out)], ctx.fsync)
+        publish([(tmp, out)], ctx.fsync)
         with ctx.sealed_lock:
             i = h.sealed.index(run[0])
             h.sealed[i : i + len(run)] = [PartEntry(name, "segment", start, end, out.stat().st_size)]
@@ -147,7 +147,7 @@ def finalize(ctx: WriterContext, h: WriterHandle) -> None:
     if not h.base and len(segs) == 1 and segs[0].start == 0:
         os.replace(ctx.run_dir / segs[0].name, final)
         if ctx.fsync:
-            _fs.fsync_dir(final.parent)
+            fsync_dir(final.parent)
     else:
         tmp = final.with_name(final.name + ".partial")
         if not h.base and not segs:
@@ -155,7 +155,7 @@ def finalize(ctx: WriterContext, h: WriterHandle) -> None:
             HandleFileWriter(tmp, ctx.identity.file_attrs(h), 0).finish()
         else:
             _merge(ctx, h, [*h.base, *(ctx.run_dir / s.name for s in segs)], tmp)
-        _fs.publish([(tmp, final)], ctx.fsync)
+        publish([(tmp, final)], ctx.fsync)
         for s in segs:
             (ctx.run_dir / s.name).unlink(missing_ok=True)
     with ctx.sealed_lock:

@@ -22,7 +22,7 @@ from .handle import WriterHandle
 from .manifest import ManifestWriter
 from .merging import Compactor, finalize
 from .queue import Close, Control, Flush, Message, NewHandle, Record, WriteQueue
-from .sealing import OpenParts
+from .open_parts import OpenParts
 from .stats import WriterStats
 
 __all__ = ["WriterThread"]

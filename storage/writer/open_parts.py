@@ -1,4 +1,4 @@
-"""The writer thread's open parts: opened within ``max_open_files``, sealed and published as segments.
+"""The writer thread's open parts: opened within ``max_open_files``, kept within the budget, sealed.
 
 A part is sealed (written out, closed, renamed ``.h5seg.partial`` -> ``.h5seg``) at every flush,
 when its handle's field turns ragged, and when more handles write than ``max_open_files`` allows
@@ -12,7 +12,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Iterable
 
-from .. import _fs
+from .._fs import fsync_dir, fsync_file, publish
 from .._h5write import HandleFileWriter
 from .._parts import PartEntry
 from ..budget import Budget
@@ -138,7 +138,7 @@ class OpenParts:
                    for h, p in done]
         finals = [ctx.run_dir / e.name for e in entries]
         ctx.tools.current = done[0][1].partial
-        _fs.publish([(p.partial, final) for (_, p), final in zip(done, finals)], fsync)
+        publish([(p.partial, final) for (_, p), final in zip(done, finals)], fsync)
         for (h, _), e, final in zip(done, entries, finals):
             with ctx.sealed_lock:
                 h.sealed.append(replace(e, nbytes=final.stat().st_size))
@@ -152,9 +152,9 @@ class OpenParts:
         for path in paths:
             self.ctx.tools.current = path
             try:
-                _fs.fsync_file(path)
+                fsync_file(path)
             except FileNotFoundError:
                 pass  # merged away by the compactor since: its output was fsynced
         for d in {p.parent for p in paths}:
-            _fs.fsync_dir(d)
+            fsync_dir(d)
         self.ctx.tools.current = None
