@@ -34,7 +34,7 @@ def _attr_str(a: Any) -> str:
 class PartField:
     """One field inside one complete file; index arrays load on first use."""
 
-    def __init__(self, part: Part, name: str, ds: h5py.Dataset):
+    def __init__(self, part: Part, name: str, ds: h5py.Dataset) -> None:
         self.part = part
         self.name = name
         self._ds = ds
@@ -161,7 +161,7 @@ class Part:
     step/call indexes stay in memory.
     """
 
-    def __init__(self, path: Path, f: h5py.File, lru: FileLRU | None = None):
+    def __init__(self, path: Path, f: h5py.File, lru: FileLRU | None = None) -> None:
         self.path = Path(path)
         self._f: h5py.File | None = f
         self._lru = lru

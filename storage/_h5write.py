@@ -40,7 +40,8 @@ class FieldSpec:
 
     __slots__ = ("name", "dtype_name", "info", "ragged", "shape", "ndim", "compression")
 
-    def __init__(self, name: str, dtype_name: str, ragged: bool, shape: tuple[int, ...], compression: str | None):
+    def __init__(self, name: str, dtype_name: str, ragged: bool, shape: tuple[int, ...],
+                 compression: str | None) -> None:
         self.name = name
         self.dtype_name = dtype_name
         self.info = dtypes.info(dtype_name)
@@ -62,7 +63,7 @@ class FieldOut:
         records, norms, offsets, shapes: index arrays appended by the caller, in record order.
     """
 
-    def __init__(self, f: h5py.File, spec: FieldSpec, expected: int, owner: HandleFileWriter):
+    def __init__(self, f: h5py.File, spec: FieldSpec, expected: int, owner: HandleFileWriter) -> None:
         self.owner = owner
         self.spec = spec
         st = spec.info.storage
@@ -140,7 +141,7 @@ class HandleFileWriter:
     """
 
     def __init__(self, path: Path, attrs: dict[str, Any], record_start: int,
-                 writeback: Writeback | int | None = WRITEBACK_BYTES):
+                 writeback: Writeback | int | None = WRITEBACK_BYTES) -> None:
         self.path = Path(path)
         self.f = h5py.File(self.path, "w", rdcc_nbytes=0)
         self.writeback = writeback if isinstance(writeback, Writeback) else Writeback(writeback)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
+
 from .._filters import CompressionRules
 from .._fs import Writeback
 from .manifest import RunIdentity

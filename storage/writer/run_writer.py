@@ -333,11 +333,6 @@ class RunWriter:
         """Whether the calling thread is one of the writer's own (which must not wait for it)."""
         return self._thread.owns(threading.current_thread())
 
-    @property
-    def closed(self) -> bool:
-        """Whether :meth:`close` completed."""
-        return self._closed
-
     def _check_open(self) -> None:
         if self._closed or self._queue.closing:
             raise WriterClosedError(f"RunWriter for {str(self.run_dir)!r} is closed; create a new writer")

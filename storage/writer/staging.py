@@ -49,8 +49,8 @@ class PartTools:
     """What every open part of a writer shares.
 
     Attributes:
-        scratch: the assembly buffer.
         release: returns written bytes to the writer's budget (wakes a blocked ``write()``).
+        scratch: the assembly buffer.
         current: the file the writer thread works on now, named by a failure's message.
     """
 
