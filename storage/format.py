@@ -17,9 +17,7 @@ from __future__ import annotations
 import functools
 import json
 import math
-import os
 import re
-from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -38,16 +36,12 @@ __all__ = [
     "final_name",
     "segment_name",
     "partial_segment_name",
-    "SegmentName",
-    "parse_segment",
     "manifest_name",
     "chunk_records",
     "record_chunk",
     "flat_chunk",
     "index_chunk",
     "check_field_name",
-    "atomic_write_json",
-    "fsync_dir",
     "read_manifest",
     "now_iso",
 ]
@@ -131,23 +125,6 @@ def run_identity(manifest: dict[str, Any]) -> str:
     return str(manifest.get("run_uuid") or manifest.get("created") or "")
 
 
-@dataclass(frozen=True)
-class SegmentName:
-    """A parsed sealed-segment file name."""
-
-    start: int
-    end: int
-
-
-def parse_segment(file_name: str, base: str) -> SegmentName | None:
-    """Parse ``<base>.r<start>-<end>.h5seg`` (``base`` is the key's last component + suffix)."""
-    m = re.fullmatch(re.escape(base) + r"\.r(\d{12})-(\d{12})\.h5seg", file_name)
-    if not m:
-        return None
-    start, end = int(m[1]), int(m[2])
-    return SegmentName(start, end) if end > start else None
-
-
 def check_field_name(name: Any) -> str:
     """Validate a field name: a non-empty str without ``/`` or NUL, not ``.``/``..`` (HDF5 path
     components), not ``step``/``call``, not starting with ``_``.
@@ -218,43 +195,6 @@ def index_chunk(expected: int, row: int | None = None) -> tuple[int, ...]:
     ``shape``: 2-D with ``row`` columns)."""
     n = min(1 << 16, _next_pow2(max(1, expected)))
     return (n,) if row is None else (n, max(1, row))
-
-
-# --- file system helpers -----------------------------------------------------------------------
-
-def fsync_dir(path: Path) -> None:
-    """fsync a directory so that renames/creations inside it are durable."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    except OSError:  # pragma: no cover - e.g. platforms without O_DIRECTORY
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def fsync_file(path: Path) -> None:
-    """fsync a closed file's data and metadata."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def atomic_write_json(path: Path, obj: Any, *, fsync: bool = True) -> None:
-    """Write JSON atomically: ``<path>.tmp`` + fsync + rename + fsync of the directory."""
-    tmp = path.with_name(path.name + ".tmp")
-    data = json.dumps(obj, indent=1, sort_keys=False, allow_nan=True).encode("utf-8")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        if fsync:
-            os.fsync(f.fileno())
-    os.replace(tmp, path)
-    if fsync:
-        fsync_dir(path.parent)
 
 
 def read_manifest(path: Path) -> dict[str, Any]:

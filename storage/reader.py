@@ -10,7 +10,7 @@ Data comes from a *source* with two methods, so local directories and MLflow run
     manifests() -> list[dict]        # parsed manifest JSON, one per rank
     path(rel: str) -> pathlib.Path   # local path of a file of the run (may download it)
 
-A source may also offer ``discover(key, suffix) -> _segments.Discovery`` to list segment files
+A source may also offer ``discover(key, suffix) -> _parts.Discovery`` to list segment files
 (the local source does; remote sources provide only the final files named in the manifest).
 
 (~620 lines, kept in one file: :class:`Run`, :class:`Handle`, :class:`LazyPart` and
@@ -30,8 +30,9 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 
 from . import dtypes
-from ._h5file import FileLRU, Part, PartField, check_max_open_files, open_part
-from ._segments import Discovery, discover_files
+from ._fs import check_max_open_files
+from ._h5read import FileLRU, Part, PartField, open_part
+from ._parts import Discovery, discover_files
 from .errors import FormatError, HookTypeError, InvalidArgumentError, RecordIndexError, StorageError, UnknownNameError
 from .format import MANIFEST_RE, check_manifest, rank_suffix, read_manifest
 from .synthesise import synthesise_manifests

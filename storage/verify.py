@@ -27,15 +27,14 @@ from typing import Any
 
 import numpy as np
 
-from ._h5file import Part, merge_files, open_part
-from ._segments import Discovery, discover_files
+from ._fs import atomic_write_json, fsync_dir, fsync_file
+from ._h5read import Part, open_part
+from ._merge import merge_files
+from ._parts import Discovery, discover_files
 from .errors import FormatError, StorageError
 from .format import (
     MANIFEST_RE,
-    atomic_write_json,
     final_name,
-    fsync_dir,
-    fsync_file,
     manifest_name,
     merge_output_name,
     now_iso,

@@ -7,7 +7,7 @@
    ``resize`` + write. Targets: RunWriter >= 0.7x tofile and >= 3x naive.
 2. One-record random read latency on a ``--size-gb`` run (page cache dropped for the file with
    ``posix_fadvise(DONTNEED)`` first: cold reads). Target < 10 ms.
-3. Peak RSS over baseline with a slow disk (``RunWriter.test_delay_s_per_mb``) vs
+3. Peak RSS over baseline with a slow disk (the writer thread sleeps per MiB written) vs
    ``max_buffer_mb``. Target <= budget + 64 MB.
 4. Training-thread stall: a numpy/Python loop that hands one record per iteration to the writer,
    vs the same loop without a writer (records discarded) and vs writing inline with h5py.
@@ -29,7 +29,7 @@ import h5py
 import numpy as np
 
 from hookline.storage import RunWriter, open_run
-from hookline.storage._h5file import WRITEBACK_BYTES, start_writeback
+from hookline.storage._fs import WRITEBACK_BYTES, start_writeback
 
 REC_SHAPE = (16, 1024)  # 64 KiB float32 records for the throughput runs (a typical activation)
 SMALL_SHAPE = (64, 64)  # 16 KiB: per-record overhead dominates
@@ -146,14 +146,16 @@ _RSS_CHILD = r"""
 import json, sys, time
 import numpy as np
 from hookline.storage import RunWriter
+from hookline.storage.writer.queue import WriteQueue
 budget, delay, n = float(sys.argv[2]), float(sys.argv[3]), int(sys.argv[4])
+release = WriteQueue.release  # a slow disk: sleep per MiB written before the bytes return to the budget
+WriteQueue.release = lambda q, nbytes: (time.sleep(delay * nbytes / 2**20), release(q, nbytes))[1]
 template = np.ones((256, 1024), np.float32)
 w0 = RunWriter(sys.argv[1] + "/warm", max_buffer_mb=4); w0.add_handle("a[b]")
 w0.write("a[b]", 0, 0, {"x": template.copy()}); w0.close()
 import os
 base = int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")  # current RSS
 w = RunWriter(sys.argv[1] + "/run", max_buffer_mb=budget, fsync=False)
-w.test_delay_s_per_mb = delay
 w.add_handle("outputs[layer]")
 t0 = time.perf_counter()
 for i in range(n):

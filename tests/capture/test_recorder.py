@@ -428,9 +428,12 @@ def test_summary_counts_records_bytes_and_hook_time(tmp_path):
 
 
 def test_drop_policy_counts_every_dropped_record(tmp_path, monkeypatch):
-    from hookline.storage import RunWriter
+    import time
 
-    monkeypatch.setattr(RunWriter, "test_delay_s_per_mb", 0.5)  # a disk far slower than capture
+    from hookline.storage.writer.queue import WriteQueue
+
+    release = WriteQueue.release  # a disk far slower than capture: 0.5 s per MiB written
+    monkeypatch.setattr(WriteQueue, "release", lambda q, n: (time.sleep(0.5 * n / 2**20), release(q, n))[1])
     model = nn.Linear(4, 64 * 1024)  # 256 KiB per record (batch 1)
     mgr = HookManager()
     rec = Recorder(tmp_path / "run", max_buffer_mb=1, policy="drop")
@@ -450,7 +453,7 @@ def test_write_error_surfaces_at_next_step_and_keeps_flushed(tmp_path, monkeypat
     import errno
 
     from hookline.storage import StorageError
-    from hookline.storage import _h5file
+    from hookline.storage import _h5write
 
     model = nn.Linear(4, 8)
     mgr = HookManager()
@@ -464,7 +467,7 @@ def test_write_error_surfaces_at_next_step_and_keeps_flushed(tmp_path, monkeypat
     def failing(self, block):
         raise OSError(errno.ENOSPC, "No space left on device (simulated)")
 
-    monkeypatch.setattr(_h5file._FieldOut, "append", failing)
+    monkeypatch.setattr(_h5write.FieldOut, "append", failing)
     with rec.step(3):
         model(torch.randn(2, 4))
     with pytest.raises(StorageError, match="28|space"):

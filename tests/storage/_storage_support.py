@@ -38,6 +38,22 @@ def write_std_run(run_dir: Path, n: int = 20, flush_every: int | None = None, **
     return w
 
 
+def slow_disk(monkeypatch, s_per_mb: float) -> None:
+    """Make every writer created from now on as slow as a disk of ``1 / s_per_mb`` MB/s: its
+    thread sleeps ``s_per_mb`` per MiB written before it returns those bytes to the budget."""
+    import time
+
+    from hookline.storage.writer.queue import WriteQueue
+
+    release = WriteQueue.release
+
+    def slow_release(queue: WriteQueue, nbytes: int) -> None:
+        time.sleep(s_per_mb * nbytes / (1 << 20))
+        release(queue, nbytes)
+
+    monkeypatch.setattr(WriteQueue, "release", slow_release)
+
+
 def wait_for_partial(run_dir: Path, timeout: float = 10.0) -> None:
     """Wait until the writer started a ``.partial`` segment (it takes small records in batches,
     within ``WAKE_LATENCY_S``), so a snapshot of the directory shows unflushed records on disk."""

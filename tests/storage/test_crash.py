@@ -87,19 +87,19 @@ def _progress_flushes(progress: Path) -> list[int]:
 
 
 def test_simulated_write_error_surfaces_and_keeps_flushed(run_dir, monkeypatch):
-    from hookline.storage import _h5file
+    from hookline.storage import _h5write
 
     w = RunWriter(run_dir, max_buffer_mb=1)
     w.add_handle(HID)
     for i in range(10):
         w.write(HID, i, 0, fields(i))
     w.flush()
-    real = _h5file._FieldOut.append
+    real = _h5write.FieldOut.append
 
     def failing(self, block):
         raise OSError(errno.EIO, "Input/output error (simulated)")
 
-    monkeypatch.setattr(_h5file._FieldOut, "append", failing)
+    monkeypatch.setattr(_h5write.FieldOut, "append", failing)
     with pytest.raises(StorageError) as ei:
         for i in range(10, 2000):  # blocks on the 1 MB budget until the failure wakes it
             w.write(HID, i, 0, fields(i))
@@ -111,7 +111,7 @@ def test_simulated_write_error_surfaces_and_keeps_flushed(run_dir, monkeypatch):
     with pytest.raises(StorageError):
         w.close()
     assert w.close() is not None  # idempotent after the error was reported
-    monkeypatch.setattr(_h5file._FieldOut, "append", real)
+    monkeypatch.setattr(_h5write.FieldOut, "append", real)
     h = open_run(run_dir)[HID]
     assert len(h) == 10 and np.array_equal(h["outputs.0"][9], fields(9)["outputs.0"])
 
@@ -130,16 +130,16 @@ def test_full_disk_raises_storage_error_and_keeps_flushed(tmp_path, monkeypatch)
     armed = [False]
     if not mounted:
         # Without root: the same scenario with ENOSPC raised where HDF5 writes the data.
-        from hookline.storage import _h5file
+        from hookline.storage import _h5write
 
-        real = _h5file._FieldOut.append
+        real = _h5write.FieldOut.append
 
         def append(self, block):
             if armed[0]:
                 raise OSError(errno.ENOSPC, "No space left on device (simulated)")
             return real(self, block)
 
-        monkeypatch.setattr(_h5file._FieldOut, "append", append)
+        monkeypatch.setattr(_h5write.FieldOut, "append", append)
     try:
         run_dir = mnt / "run"
         w = RunWriter(run_dir, max_buffer_mb=1)

@@ -19,7 +19,7 @@ from hookline.storage import (
 )
 from hookline.storage.format import FORMAT_VERSION
 
-from _storage_support import GID, HID, add_std_handles, record_value, write_std_run
+from _storage_support import GID, HID, add_std_handles, record_value, slow_disk, write_std_run
 
 
 def test_write_is_fast_and_close_returns_stats(run_dir):
@@ -150,16 +150,16 @@ def test_argument_errors(run_dir):
 def test_writeback_kicks_and_small_records_share_chunks(run_dir, monkeypatch, writeback_mb):
     """Every ``writeback_mb`` of data the kernel is asked to start writeback (real fadvise);
     64 KiB records are packed 16 to a 1 MiB chunk (one HDF5 chunk write per 16 records)."""
-    import hookline.storage._h5file as h5file
+    import hookline.storage._fs as fs
 
     kicked: list[int] = []
-    real = h5file.start_writeback
+    real = fs.start_writeback
 
     def spy(fd: int) -> None:
         kicked.append(fd)
         real(fd)
 
-    monkeypatch.setattr(h5file, "start_writeback", spy)
+    monkeypatch.setattr(fs, "start_writeback", spy)
     rec = np.arange(16 * 1024, dtype=np.float32).reshape(16, 1024)  # 64 KiB
     with RunWriter(run_dir, writeback_mb=writeback_mb) as w:
         w.add_handle(HID)
@@ -175,10 +175,10 @@ def test_writeback_kicks_and_small_records_share_chunks(run_dir, monkeypatch, wr
 def test_writeback_counts_bytes_over_all_open_files(run_dir, monkeypatch):
     """Many handles, each far below ``writeback_mb``: the run's total still triggers kicks, and
     each kick covers every file written to since the last one."""
-    import hookline.storage._h5file as h5file
+    import hookline.storage._fs as fs
 
     kicks: list[int] = []
-    monkeypatch.setattr(h5file, "start_writeback", lambda fd: kicks.append(fd))
+    monkeypatch.setattr(fs, "start_writeback", lambda fd: kicks.append(fd))
     rec = np.ones((64, 256), np.float32)  # 64 KiB: 16 records fill a chunk
     with RunWriter(run_dir, writeback_mb=2, merge_on_close=False) as w:
         for h in range(8):
@@ -190,9 +190,9 @@ def test_writeback_counts_bytes_over_all_open_files(run_dir, monkeypatch):
     assert len(kicks) == 8 and len(set(kicks)) == 8
 
 
-def test_drop_policy_counts_and_reports(run_dir):
+def test_drop_policy_counts_and_reports(run_dir, monkeypatch):
+    slow_disk(monkeypatch, 0.05)  # 20 MB/s
     w = RunWriter(run_dir, max_buffer_mb=2, policy="drop")
-    w.test_delay_s_per_mb = 0.05  # slow disk: 20 MB/s
     w.add_handle(HID)
     a = np.ones((256, 256), np.float32)  # 256 KiB
     accepted = sum(w.write(HID, i, 0, {"outputs.0": a.copy()}) for i in range(100))
@@ -220,9 +220,9 @@ def test_drop_policy_small_budget_keeps_up_with_a_slow_producer(run_dir):
     assert len(f) == 64 and np.array_equal(f[63], a * 63)
 
 
-def test_block_policy_bounds_memory(run_dir):
+def test_block_policy_bounds_memory(run_dir, monkeypatch):
+    slow_disk(monkeypatch, 0.02)
     w = RunWriter(run_dir, max_buffer_mb=2, policy="block")
-    w.test_delay_s_per_mb = 0.02
     w.add_handle(HID)
     a = np.ones((128, 256), np.float32)  # 128 KiB
     for i in range(80):

@@ -11,7 +11,7 @@ import time
 import numpy as np
 import pytest
 
-import hookline.storage.writer as writer_mod
+import hookline.storage._fs as fs
 from hookline.storage import InvalidArgumentError, RunWriter, WriterClosedError, open_run
 from _storage_support import open_files_under
 
@@ -115,8 +115,8 @@ def test_field_names_hdf5_cannot_store_are_refused(tmp_path, name):
 def test_segment_sealed_by_a_shape_change_is_fsynced(tmp_path, monkeypatch):
     """flush() promises fsynced data: that includes the segment a shape change sealed earlier."""
     synced: list[str] = []
-    real = writer_mod.fsync_file
-    monkeypatch.setattr(writer_mod, "fsync_file", lambda p: (synced.append(os.path.basename(p)), real(p))[1])
+    real = fs.fsync_file
+    monkeypatch.setattr(fs, "fsync_file", lambda p: (synced.append(os.path.basename(p)), real(p))[1])
     d = tmp_path / "r"
     w = RunWriter(d)  # fsync=True (the default)
     w.add_handle(HID)
@@ -240,7 +240,7 @@ def test_more_handles_than_max_open_files_rotate_segments_and_lose_nothing(tmp_p
                 peak = max(peak, open_files_under(d, ".partial"))
             if step == 2:
                 w.flush()
-                assert w._unsynced == []  # rotated segments were fsynced by the flush
+                assert w._thread.parts.unsynced == []  # rotated segments were fsynced by the flush
                 with open_run(d) as mid:  # readable mid-run, like any flushed segment
                     assert all(len(mid[h]) == 3 for h in handles)
         w.flush()
@@ -294,11 +294,11 @@ def test_bad_max_open_files_is_refused(tmp_path, bad):
 def test_merges_of_many_segments_open_a_bounded_number_of_files(tmp_path, monkeypatch):
     """close() merges every segment of a handle; with more segments than MERGE_MAX_FILES it goes
     through intermediate files, never holding more inputs open at once, and loses nothing."""
-    import hookline.storage._h5file as h5file_mod
+    import hookline.storage._merge as merge_mod
 
-    monkeypatch.setattr(h5file_mod, "MERGE_MAX_FILES", 3)
+    monkeypatch.setattr(merge_mod, "MERGE_MAX_FILES", 3)
     open_now, peak = [0], [0]
-    real_open = h5file_mod.open_part
+    real_open = merge_mod.open_part
 
     def counting_open(path):
         part = real_open(path)
@@ -312,7 +312,7 @@ def test_merges_of_many_segments_open_a_bounded_number_of_files(tmp_path, monkey
         part.close = close
         return part
 
-    monkeypatch.setattr(h5file_mod, "open_part", counting_open)
+    monkeypatch.setattr(merge_mod, "open_part", counting_open)
     d = tmp_path / "r"
     want = []
     with RunWriter(d, fsync=False) as w:
@@ -341,7 +341,7 @@ def test_rotation_without_fsync_keeps_no_list_of_files_to_sync(tmp_path):
             for i in range(6):
                 w.write(f"outputs[m{i}]", step, 0, {"x": np.ones(2, np.float32)})
         w.flush()
-        assert w.stats().rotated_segments > 0 and w._unsynced == []
+        assert w.stats().rotated_segments > 0 and w._thread.parts.unsynced == []
 
 
 def test_outputs_of_a_merge_killed_midway_are_removed_by_the_next_writer(tmp_path):
@@ -356,7 +356,7 @@ def test_outputs_of_a_merge_killed_midway_are_removed_by_the_next_writer(tmp_pat
     child = textwrap.dedent(f"""
         import os, signal
         import numpy as np
-        import hookline.storage._h5file as H
+        import hookline.storage._merge as H
         from hookline.storage import RunWriter
         H.MERGE_MAX_FILES = 4
         real, calls = H.merge_parts, [0]

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import atexit
 import logging
-import numbers
 import threading
 import weakref
 from contextlib import contextmanager
@@ -13,8 +12,10 @@ from typing import Any, Iterable, Iterator
 
 import torch
 
+from hookline.storage.budget import Budget
 from hookline.storage.errors import HookTypeError, InvalidArgumentError
-from hookline.storage.writer import RunWriter, WriterStats, weak_closer
+from hookline.storage.lifecycle import weak_closer
+from hookline.storage.writer import RunWriter, WriterStats
 
 from .bindings import HandleBindings
 from .convert import BufferPool
@@ -93,12 +94,7 @@ class Recorder:
         self.run_dir = check_run_dir(run_dir)
         self.every, self.steps = every, steps = check_sampling(every, steps)
         check_meta(meta)
-        if isinstance(max_buffer_mb, bool) or not isinstance(max_buffer_mb, numbers.Real):
-            raise HookTypeError(f"max_buffer_mb must be a number of MB, got {type(max_buffer_mb).__name__} "
-                                f"{max_buffer_mb!r:.60}")
-        if not 0 < max_buffer_mb < float("inf"):
-            raise InvalidArgumentError(f"max_buffer_mb must be a positive number, got {max_buffer_mb!r}")
-        max_buffer_mb = float(max_buffer_mb)
+        budget = Budget(max_buffer_mb)
         for arg, v in (("mlflow_run_id", mlflow_run_id), ("tracking_uri", tracking_uri)):
             if v is not None and not isinstance(v, str):
                 raise HookTypeError(f"{arg} must be a str or None, got {type(v).__name__} {v!r:.60}")
@@ -121,12 +117,11 @@ class Recorder:
             self._mlflow = MlflowAdapter(mlflow_run_id, tracking_uri=tracking_uri, rank=rank)
         if not resume:
             refuse_held_run(self._dist, self.run_dir)
-        # The budget covers the blocks being filled (tracker/packer.py) and the writer's queue.
-        budget = int(max_buffer_mb * 2**20)
-        open_bytes = min(budget // 4, 64 << 20)
+        # The budget covers the blocks being filled (capture/packer.py) and the writer's queue.
+        open_bytes = budget.open_blocks_bytes
         self._writer = RunWriter(
             self.run_dir,
-            max_buffer_mb=(budget - open_bytes) / 2**20,
+            max_buffer_mb=budget.writer_share_mb,
             policy=policy,
             compression=compression,
             rank=rank,

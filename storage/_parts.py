@@ -1,9 +1,9 @@
-"""Finding a handle's files in a run directory and choosing which ones hold its records.
+"""Finding a handle's parts in a run directory and choosing which ones hold its records.
 
-A handle's records ``[0, n)`` may be spread over its final file and sealed segments; compaction
-or a crash in the middle of a merge can leave overlapping files. The *cover* takes, from record
-0 on, the complete file that starts at the current record and reaches furthest; records in a
-superseded (overlapped) file are also in a chosen one, so nothing is read twice.
+A handle's records ``[0, n)`` may be spread over its parts: its final file and sealed segments;
+compaction or a crash in the middle of a merge can leave overlapping parts. The *cover* takes,
+from record 0 on, the complete part that starts at the current record and reaches furthest;
+records in a superseded (overlapped) part are also in a chosen one, so nothing is read twice.
 """
 
 from __future__ import annotations
@@ -15,34 +15,36 @@ from pathlib import Path
 
 import h5py
 
-__all__ = ["FileEntry", "Discovery", "discover_files", "cover"]
+__all__ = ["PartEntry", "Discovery", "discover_files", "cover"]
 
 
 @dataclass(frozen=True)
-class FileEntry:
-    """A complete file of a handle.
+class PartEntry:
+    """A complete part of a handle (found on disk, or sealed by the writer).
 
     Attributes:
         name: path relative to the run directory (``/``-separated).
         kind: ``"final"`` or ``"segment"``.
         start: first global record number.
         end: one past the last record number.
+        nbytes: the file's size where known (the writer's compaction picks parts by size), else 0.
     """
 
     name: str
     kind: str
     start: int
     end: int
+    nbytes: int = 0
 
 
 @dataclass
 class Discovery:
     """What :func:`discover_files` found for one handle."""
 
-    cover: list[FileEntry] = field(default_factory=list)
+    cover: list[PartEntry] = field(default_factory=list)
     end: int = 0
     gaps: list[tuple[int, int]] = field(default_factory=list)
-    superseded: list[FileEntry] = field(default_factory=list)
+    superseded: list[PartEntry] = field(default_factory=list)
     #: segments being written when the writer stopped (their records were never flushed)
     partials: list[str] = field(default_factory=list)
     #: outputs of merges that were interrupted (copies: their records are in other files)
@@ -50,15 +52,15 @@ class Discovery:
     broken: list[tuple[str, str]] = field(default_factory=list)
 
 
-def cover(entries: list[FileEntry]) -> tuple[list[FileEntry], list[FileEntry], list[tuple[int, int]], int]:
-    """Choose non-overlapping files covering as many records as possible, in order.
+def cover(entries: list[PartEntry]) -> tuple[list[PartEntry], list[PartEntry], list[tuple[int, int]], int]:
+    """Choose non-overlapping parts covering as many records as possible, in order.
 
     Returns:
         ``(chosen, superseded, gaps, end)``.
     """
     todo = sorted(entries, key=lambda e: (e.start, -e.end, e.kind != "final"))
-    chosen: list[FileEntry] = []
-    superseded: list[FileEntry] = []
+    chosen: list[PartEntry] = []
+    superseded: list[PartEntry] = []
     gaps: list[tuple[int, int]] = []
     cur = 0
     for e in todo:
@@ -81,7 +83,7 @@ def _records_of_final(path: Path) -> int:
 
 
 def discover_files(run_dir: Path, key: str, suffix: str) -> Discovery:
-    """List a handle's files (by name; the final file is opened to read its record count)."""
+    """List a handle's parts (by name; the final file is opened to read its record count)."""
     run_dir = Path(run_dir)
     sub, _, last = key.rpartition("/")
     d = run_dir / sub if sub else run_dir
@@ -95,14 +97,14 @@ def discover_files(run_dir: Path, key: str, suffix: str) -> Discovery:
     seg_re = re.compile(re.escape(base) + r"\.r(\d{12})-(\d{12})\.h5seg")
     part_re = re.compile(re.escape(base) + r"\.r\d{12}\.h5seg\.partial")
     leftover_re = re.compile(re.escape(base) + r"(\.h5|\.r\d{12}-\d{12}\.h5seg)\.partial")
-    entries: list[FileEntry] = []
+    entries: list[PartEntry] = []
     for nm in names:
         if not nm.startswith(base + "."):
             continue
         rel = prefix + nm
         if nm == base + ".h5":
             try:
-                entries.append(FileEntry(rel, "final", 0, _records_of_final(d / nm)))
+                entries.append(PartEntry(rel, "final", 0, _records_of_final(d / nm)))
             except Exception as e:
                 out.broken.append((rel, f"{type(e).__name__}: {e}"))
             continue
@@ -110,7 +112,7 @@ def discover_files(run_dir: Path, key: str, suffix: str) -> Discovery:
         if m:
             a, b = int(m[1]), int(m[2])
             if b > a:
-                entries.append(FileEntry(rel, "segment", a, b))
+                entries.append(PartEntry(rel, "segment", a, b))
             continue
         if part_re.fullmatch(nm):
             out.partials.append(rel)

@@ -1,0 +1,222 @@
+"""File system helpers of the storage layer: fsync, atomic publish, the run lock, writeback, open-file limits.
+
+Everything here talks to the operating system about files, never to HDF5: durability (fsync of
+files and directories, atomic renames), the writer's exclusive lock on a run directory, kernel
+writeback hints, and the share of ``ulimit -n`` a writer or reader may keep open.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import h5py
+
+from .errors import InvalidArgumentError, StorageError
+
+__all__ = [
+    "WRITEBACK_BYTES",
+    "Writeback",
+    "atomic_write_json",
+    "check_max_open_files",
+    "fsync_dir",
+    "fsync_file",
+    "lock_run",
+    "open_files_share",
+    "publish",
+    "start_writeback",
+    "unlock_run",
+]
+
+#: Default bytes written to one file between two writeback kicks (see :func:`start_writeback`).
+WRITEBACK_BYTES = 32 << 20
+
+
+# --- durability ----------------------------------------------------------------------------------
+
+def fsync_dir(path: Path) -> None:
+    """fsync a directory so that renames/creations inside it are durable."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:  # pragma: no cover - e.g. platforms without O_DIRECTORY
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_file(path: Path) -> None:
+    """fsync a closed file's data and metadata."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write_json(path: Path, obj: Any, *, fsync: bool = True) -> None:
+    """Write JSON atomically: ``<path>.tmp`` + fsync + rename + fsync of the directory."""
+    tmp = path.with_name(path.name + ".tmp")
+    data = json.dumps(obj, indent=1, sort_keys=False, allow_nan=True).encode("utf-8")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        if fsync:
+            os.fsync(f.fileno())
+    os.replace(tmp, path)
+    if fsync:
+        fsync_dir(path.parent)
+
+
+def publish(pairs: list[tuple[Path, Path]], fsync: bool) -> None:
+    """Make complete files visible under their final names: (fsync each,) atomic renames, (fsync
+    each directory once: a flush of many handles mostly shares one or two directories).
+
+    Args:
+        pairs: ``(temporary path, final path)`` of each file.
+        fsync: make the files and the renames durable.
+    """
+    if fsync:
+        for tmp, _ in pairs:
+            fsync_file(tmp)
+    for tmp, final in pairs:
+        os.replace(tmp, final)
+    if fsync:
+        for d in {final.parent for _, final in pairs}:
+            fsync_dir(d)
+
+
+# --- the run lock --------------------------------------------------------------------------------
+
+def _lock_path(run_dir: Path, suffix: str) -> Path:
+    return run_dir / f".writer{suffix}.lock"
+
+
+def lock_run(run_dir: Path, suffix: str) -> int:
+    """Take an exclusive ``flock`` on ``<run_dir>/.writer<suffix>.lock`` (released on close or
+    process death) so two writers never write the same rank of a run at once.
+
+    Returns:
+        The lock file's descriptor, for :func:`unlock_run`.
+
+    Raises:
+        StorageError: the lock file cannot be created, or another writer holds the lock.
+    """
+    import fcntl
+
+    path = _lock_path(run_dir, suffix)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:
+        raise StorageError(f"cannot create lock file {str(path)!r}: {e}") from e
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            return fd  # file system without flock (e.g. some NFS): run unlocked
+        os.close(fd)
+        raise StorageError(
+            f"another RunWriter is writing {str(run_dir)!r}{' (' + suffix[1:] + ')' if suffix else ''} "
+            f"(lock {str(path)!r} is held): close it first, or use another run directory / rank"
+        ) from None
+    return fd
+
+
+def unlock_run(run_dir: Path, suffix: str, fd: int) -> None:
+    """Remove the lock file of :func:`lock_run` (a clean close leaves nothing behind) and release
+    the lock (best effort: called while closing)."""
+    try:
+        os.unlink(_lock_path(run_dir, suffix))
+    except OSError:
+        pass
+    try:
+        os.close(fd)  # releases the flock
+    except OSError:
+        pass
+
+
+# --- writeback -----------------------------------------------------------------------------------
+
+def start_writeback(fd: int) -> None:
+    """Ask the kernel to start writing a file's dirty pages now, without waiting for them.
+
+    ``posix_fadvise(POSIX_FADV_DONTNEED)`` starts asynchronous writeback of the dirty pages
+    and drops the file's pages that are already clean. Done every few tens of MB, the disk
+    works while the writer goes on (instead of the whole run landing at the final fsync), the
+    page cache held by a long run stays bounded, and the user's data loader keeps its cache.
+    Advisory: a platform without it, or an error, changes nothing but speed.
+    """
+    fadvise = getattr(os, "posix_fadvise", None)
+    if fadvise is None:
+        return
+    try:
+        fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    except OSError:
+        pass
+
+
+class Writeback:
+    """Kicks writeback (:func:`start_writeback`) every ``nbytes`` written, over a set of files.
+
+    One instance is shared by all files a writer has open, so a run of many small handle files
+    (each far below ``nbytes``) still has its data on its way to the disk as it goes, not all
+    of it at the final fsync. Every kick covers each file written to since the previous one.
+    Used from one thread (the writer's).
+
+    Args:
+        nbytes: bytes between two kicks; 0 or None leaves writeback to the kernel.
+    """
+
+    def __init__(self, nbytes: int | None = WRITEBACK_BYTES) -> None:
+        self.nbytes = nbytes or 0
+        self._unkicked = 0
+        self._dirty: dict[int, h5py.File] = {}
+
+    def wrote(self, f: h5py.File, nbytes: int) -> None:
+        """Count ``nbytes`` written to ``f``; kick every dirty file once enough added up."""
+        if not self.nbytes:
+            return
+        self._dirty[id(f)] = f
+        self._unkicked += nbytes
+        if self._unkicked >= self.nbytes:
+            self._unkicked = 0
+            for g in self._dirty.values():
+                if g.id.valid:
+                    start_writeback(g.id.get_vfd_handle())
+            self._dirty.clear()
+
+    def forget(self, f: h5py.File) -> None:
+        """Stop tracking a file (before it is closed)."""
+        self._dirty.pop(id(f), None)
+
+
+# --- open-file limits ----------------------------------------------------------------------------
+
+def open_files_share(divisor: int, most: int) -> int:
+    """``(soft open-file limit - 64) // divisor``, between 8 and ``most`` (64 files are left to
+    torch, sockets and the rest of the process); ``most // 2`` where the limit cannot be read."""
+    try:
+        import resource
+    except ImportError:  # not on POSIX
+        return most // 2
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return most
+    return max(8, min(most, (soft - 64) // divisor))
+
+
+def check_max_open_files(value: Any, divisor: int, most: int) -> int:
+    """A ``max_open_files`` argument: a positive int, or None for :func:`open_files_share`.
+
+    Raises:
+        InvalidArgumentError: anything else.
+    """
+    if value is None:
+        return open_files_share(divisor, most)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise InvalidArgumentError(f"max_open_files must be a positive int or None (from ulimit -n), got {value!r}")
+    return value
