@@ -15,15 +15,10 @@ import pytest
 from _mlflow_support import LINEAR, RELU, HandleSpec, append_records, build_run, sha256
 
 from hookline.storage import InvalidArgumentError, TrackingError, TrackingUnreachableError, UnknownNameError
-from hookline.storage.mlflow_adapter import (
-    MlflowAdapter,
-    check_reachable,
-    metric_key,
-    mlflow_source,
-    parse_run_uri,
-    sync,
-    tag_key,
-)
+from hookline.storage import MlflowAdapter, mlflow_source, sync
+from hookline.storage.mlflow.client import check_reachable
+from hookline.storage.mlflow.keys import metric_key, tag_key
+from hookline.storage.mlflow.uri import parse_run_uri
 
 REPO = Path(__file__).resolve().parents[2]
 
