@@ -58,7 +58,6 @@ class MlflowAdapter:
         self.run_id = run_id
         self.tracking_uri = tracking_uri
         self.rank = rank
-        self.max_workers = int(max_workers)
         self.upload_on_submit = bool(upload_on_submit)
         self._cond = threading.Condition()
         self._pending: dict[Path, PassMode] = {}  # run_dir -> the largest mode submitted

@@ -55,11 +55,6 @@ class MlflowSource:
     def __repr__(self) -> str:
         return f"MlflowSource(run_id={self.run_id!r}, root={self.root!r}, cache_dir={str(self.cache_dir)!r})"
 
-    @property
-    def uri(self) -> str:
-        """``runs:/<run_id>/<root>``."""
-        return f"runs:/{self.run_id}/{self.root}"
-
     def _listing(self, folder: str) -> dict[str, int | None]:
         if folder not in self._sizes:
             try:
