@@ -95,6 +95,40 @@ def test_import_storage_does_not_import_mlflow():
     assert out.stdout.strip() == "False"
 
 
+def test_one_run_id_rule():
+    from hookline.storage.keys import is_mlflow_run_id
+
+    assert is_mlflow_run_id("0123456789abcdef0123456789abcdef")
+    for text in ("0123456789ABCDEF0123456789ABCDEF", "0123456789abcdef0123456789abcde", "runs/baseline",
+                 "0123456789abcdef0123456789abcdef\n", "", None, 123):
+        assert not is_mlflow_run_id(text), text
+
+
+def test_the_reader_opens_mlflow_runs_through_the_source_registry():
+    """The reader imports no MLflow code; ``hookline.storage`` registers the MLflow source."""
+    code = ("import sys; from hookline.storage.reader import open_run\n"
+            "print('hookline.storage.mlflow.source' in sys.modules, 'mlflow' in sys.modules)\n"
+            "from hookline.storage.sources import find_source\n"
+            "print(find_source('runs:/abc', None).__module__, find_source('runs/abc', None))\n"
+            "print(find_source('0123456789abcdef0123456789abcdef', None), "
+            "find_source('0123456789abcdef0123456789abcdef', 'sqlite:///x.db').__name__)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split("\n")[:3] == ["False False", "hookline.storage.mlflow.source None", "None mlflow_source"]
+
+
+def test_exit_callbacks_run_after_main_last_registered_first_before_atexit():
+    code = ("import atexit, threading\n"
+            "from hookline.storage.mlflow.shutdown import at_main_exit\n"
+            "atexit.register(lambda: print('atexit'))\n"
+            "at_main_exit(lambda: print('first', threading.current_thread().name))\n"
+            "at_main_exit(lambda: print('second'))\n"
+            "print('main done')\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == ["main done", "second", "first hookline-exit", "atexit"]
+
+
 def test_bad_arguments_quote_the_value():
     with pytest.raises(InvalidArgumentError, match="'bad/id'"):
         MlflowAdapter("bad/id")
