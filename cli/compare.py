@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import click
 
@@ -22,6 +22,12 @@ from .options import (
     tracking_uri_option,
 )
 
+if TYPE_CHECKING:  # (storage is imported when a command runs: `hookline --help` stays fast)
+    import numpy as np
+
+    from hookline.storage.compare import FieldComparison
+
+#: ``hookline.storage.compare.METRICS``, spelled out so that building the CLI imports no storage.
 METRIC_CHOICES = ("cosine", "rel_l2", "norm_ratio")
 #: At most this many panels (handles) in a --plot.
 MAX_PANELS = 24
@@ -37,7 +43,7 @@ _STATUS_TEXT = {
 }
 
 
-def _extreme_ratio(values) -> float | None:
+def _extreme_ratio(values: np.ndarray) -> float | None:
     """The norm ratio farthest from 1 (0 and inf included: one norm was zero)."""
     import numpy as np
 
@@ -50,7 +56,7 @@ def _extreme_ratio(values) -> float | None:
     return float(v[np.argmax(np.abs(np.log(v)))])
 
 
-def _worst(r: Any, metric: str) -> float | None:
+def _worst(r: FieldComparison, metric: str) -> float | None:
     """Worst step: min cosine, max rel_l2 (inf when a's norm was zero), norm_ratio farthest from 1."""
     import numpy as np
 
@@ -63,7 +69,7 @@ def _worst(r: Any, metric: str) -> float | None:
     return s["min"] if metric == "cosine" else s["max"]
 
 
-def nonfinite_note(r: Any, metrics: Sequence[str]) -> str | None:
+def nonfinite_note(r: FieldComparison, metrics: Sequence[str]) -> str | None:
     """A note when some compared steps gave no finite value (a zero or NaN record)."""
     import numpy as np
 
@@ -79,7 +85,7 @@ def nonfinite_note(r: Any, metrics: Sequence[str]) -> str | None:
             f"in the data): {parts}; means leave them out, --json shows them as null")
 
 
-def metric_cell(r: Any, metric: str) -> str:
+def metric_cell(r: FieldComparison, metric: str) -> str:
     """Table cell of one metric: mean over steps / worst step (cosine: min, rel_l2: max,
     norm_ratio: the value farthest from 1)."""
     s = r.summary(metric)
@@ -92,7 +98,7 @@ def metric_cell(r: Any, metric: str) -> str:
 HEADERS = {"cosine": "cosine\nmean/min", "rel_l2": "rel_l2\nmean/max", "norm_ratio": "norm_ratio\nmean/extreme"}
 
 
-def _plain_status(r: Any) -> str:
+def _plain_status(r: FieldComparison) -> str:
     from rich.text import Text
 
     text = _STATUS_TEXT.get(r.status, esc(r.status))
@@ -101,7 +107,8 @@ def _plain_status(r: Any) -> str:
     return Text.from_markup(text).plain
 
 
-def render_table(results: Sequence[Any], metrics: Sequence[str], *, title: str | None = None) -> None:
+def render_table(results: Sequence[FieldComparison], metrics: Sequence[str], *, title: str | None = None) -> None:
+    """Print one row per result: handle, field, compared steps, one cell per metric, status."""
     from rich import box
     from rich.table import Table
 
@@ -128,7 +135,8 @@ def render_table(results: Sequence[Any], metrics: Sequence[str], *, title: str |
     print_table(table)
 
 
-def render_problems(results: Sequence[Any], metrics: Sequence[str] = METRIC_CHOICES) -> None:
+def render_problems(results: Sequence[FieldComparison], metrics: Sequence[str] = METRIC_CHOICES) -> None:
+    """Print one note per result message and per metric with non-finite values."""
     c = console()
     for r in results:
         for msg in (r.message, nonfinite_note(r, metrics)):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import csv
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Callable
 
 import click
 import numpy as np
@@ -19,15 +19,8 @@ from .options import (
     tracking_uri_option,
 )
 
-
-def _index(handle: Any, fld: Any) -> tuple[np.ndarray, np.ndarray]:
-    steps = getattr(fld, "steps", None)
-    calls = getattr(fld, "calls", None)
-    if steps is None:
-        steps, calls = handle.steps, handle.calls
-    if calls is None:
-        calls = np.zeros(len(steps), np.int64)
-    return np.asarray(steps, np.int64), np.asarray(calls, np.int64)
+if TYPE_CHECKING:  # (storage is imported when a command runs: `hookline --help` stays fast)
+    from hookline.storage.reader import Field
 
 
 @click.command(context_settings=CONTEXT_SETTINGS, short_help='Export one field of a handle to .npy, .csv or .h5.')
@@ -63,8 +56,10 @@ def export(run: str, handle: str, field: str, fmt: str, out: str, steps_spec: st
     outp = Path(out)
     if outp.exists() and not force:
         raise click.ClickException(f"output {out!r} exists; pass --force to overwrite it")
-    r = open_run_arg(run, tracking_uri)
+    from hookline.storage.blocks import damage_note
     from hookline.storage.reader import LocalSource
+
+    r = open_run_arg(run, tracking_uri)
 
     # (the MLflow download cache of a runs:/ RUN is written only through hookline)
     root = Path(r.source.root).resolve() if isinstance(r.source, LocalSource) else None
@@ -74,13 +69,11 @@ def export(run: str, handle: str, field: str, fmt: str, out: str, steps_spec: st
             f"output {out!r} is inside the run directory {str(root)!r}; export to a path outside it"
         )
     h = r[handle]
-    from hookline.storage.compare import damage_note
-
     note = damage_note(h)
     if note and field not in h.fields:
         raise click.ClickException(f"cannot export {field!r}: {note}")
     f = h[field]
-    steps, calls = _index(h, f)
+    steps, calls = f.steps, f.calls
     idx = np.arange(len(steps))
     if mask_fn is not None:
         idx = idx[mask_fn(steps)]
@@ -89,8 +82,7 @@ def export(run: str, handle: str, field: str, fmt: str, out: str, steps_spec: st
             raise click.ClickException(
                 f"--steps {steps_spec!r} selects no record of {handle} {field} (its steps: {have})"
             )
-    shape = getattr(f, "shape", None)
-    shape = tuple(int(x) for x in shape) if shape is not None else None
+    shape = f.shape
     if shape is None and fmt in ("npy", "csv"):
         raise click.ClickException(
             f"field {field!r} of {handle!r} is ragged (its shape varies across records); "
@@ -107,7 +99,7 @@ def export(run: str, handle: str, field: str, fmt: str, out: str, steps_spec: st
             elif fmt == "csv":
                 _csv(f, idx, steps, calls, shape, tmp, advance)
             else:
-                _h5(r, run, handle, field, f, idx, steps, calls, shape, tmp, advance)
+                _h5(run, handle, field, f, idx, steps, calls, shape, tmp, advance)
             os.replace(tmp, outp)
         except OSError as e:
             if e.filename is not None and Path(e.filename) == tmp:
@@ -127,8 +119,8 @@ def export(run: str, handle: str, field: str, fmt: str, out: str, steps_spec: st
     click.echo(f"exported {idx.size} records of {handle} {field} to {out}")
 
 
-def _npy(f, idx, shape, tmp: Path, advance) -> None:
-    from hookline.storage.compare import iter_records
+def _npy(f: Field, idx: np.ndarray, shape: tuple[int, ...], tmp: Path, advance: Callable[[int], None]) -> None:
+    from hookline.storage.blocks import iter_records
 
     dtype = np.dtype(f.dtype)
     arr = np.lib.format.open_memmap(tmp, mode="w+", dtype=dtype, shape=(int(idx.size), *shape))
@@ -139,8 +131,9 @@ def _npy(f, idx, shape, tmp: Path, advance) -> None:
     del arr
 
 
-def _csv(f, idx, steps, calls, shape, tmp: Path, advance) -> None:
-    from hookline.storage.compare import iter_records
+def _csv(f: Field, idx: np.ndarray, steps: np.ndarray, calls: np.ndarray, shape: tuple[int, ...], tmp: Path,
+         advance: Callable[[int], None]) -> None:
+    from hookline.storage.blocks import iter_records
 
     n = int(np.prod(shape)) if shape else 1
     if shape:
@@ -157,17 +150,18 @@ def _csv(f, idx, steps, calls, shape, tmp: Path, advance) -> None:
             advance(1)
 
 
-def _h5(r, run, handle, field, f, idx, steps, calls, shape, tmp: Path, advance) -> None:
+def _h5(run: str, handle: str, field: str, f: Field, idx: np.ndarray, steps: np.ndarray, calls: np.ndarray,
+        shape: tuple[int, ...] | None, tmp: Path, advance: Callable[[int], None]) -> None:
     import h5py
 
-    from hookline.storage.compare import iter_records
+    from hookline.storage.blocks import iter_records
 
     dtype = np.dtype(f.dtype)
     with h5py.File(tmp, "w") as out:
         out.attrs["source_run"] = str(run)
         out.attrs["handle"] = handle
         out.attrs["field"] = field
-        out.attrs["dtype"] = str(getattr(f, "dtype_name", None) or getattr(f.dtype, "name", f.dtype))
+        out.attrs["dtype"] = f.dtype_name
         out.create_dataset("step", data=steps[idx])
         out.create_dataset("call", data=calls[idx])
         if shape is not None:

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from hookline.storage.compare import FieldComparison
 
 __all__ = ["plot_comparison"]
 
@@ -29,7 +32,7 @@ def _x(steps: np.ndarray, calls: np.ndarray) -> np.ndarray:
 
 
 def plot_comparison(
-    results: Sequence[Any],
+    results: Sequence[FieldComparison],
     out: str | Path,
     *,
     metrics: Sequence[str],
@@ -46,7 +49,7 @@ def plot_comparison(
     import matplotlib.pyplot as plt
 
     out = Path(out)
-    by_handle: dict[str, list[Any]] = {}
+    by_handle: dict[str, list[FieldComparison]] = {}
     for r in results:
         if r.status == "ok" and len(r.steps):
             by_handle.setdefault(r.handle, []).append(r)
@@ -59,30 +62,9 @@ def plot_comparison(
         layout="constrained",
     )
     flat = axes.ravel()
-    field_styles: dict[str, str] = {}
-    multi_field = False
+    field_styles: dict[str, str] = {}  # field name -> line style, in order of first appearance
     for ax, h in zip(flat, handles):
-        fields = by_handle[h]
-        multi_field |= len(fields) > 1
-        for r in fields:
-            ls = field_styles.setdefault(str(r.field), _FIELD_STYLES[len(field_styles) % len(_FIELD_STYLES)])
-            mk = _MARKERS[list(field_styles).index(str(r.field)) % len(_MARKERS)]
-            x = _x(r.steps, r.calls)
-            ranks = getattr(r, "ranks", None)
-            groups = [np.ones(len(x), bool)] if ranks is None else [ranks == k for k in np.unique(ranks)]
-            for m in metrics:
-                y = r.values.get(m)
-                if y is None:
-                    continue
-                for sel in groups:  # distributed runs: one line per rank
-                    ax.plot(x[sel], y[sel], linestyle=ls, color=_METRIC_STYLE[m]["color"], marker=mk,
-                            markersize=3, linewidth=1.6)
-        ax.set_title(h if len(fields) > 1 else f"{h}  ·  {fields[0].field}", fontsize=10)
-        ax.grid(True, alpha=0.3)
-        if "cosine" in metrics or "norm_ratio" in metrics:
-            ax.axhline(1.0, color="#999999", linewidth=0.8, zorder=0)
-        if "rel_l2" in metrics:
-            ax.axhline(0.0, color="#999999", linewidth=0.8, zorder=0)
+        _draw_panel(ax, h, by_handle[h], metrics, field_styles)
     for ax in flat[len(handles):]:
         ax.set_visible(False)
     if not handles:
@@ -95,19 +77,51 @@ def plot_comparison(
     for row in axes:
         row[0].set_ylabel(metrics[0] if len(metrics) == 1 else "metric value")
     fig.suptitle(title or f"A = {label_a}   vs   B = {label_b}", fontsize=11)
+    if handles:
+        _legend(fig, metrics, field_styles, multi_field=any(len(by_handle[h]) > 1 for h in handles))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def _marker(field_styles: dict[str, str], name: str) -> str:
+    return _MARKERS[list(field_styles).index(name) % len(_MARKERS)]
+
+
+def _draw_panel(ax: Any, h: str, fields: list[FieldComparison], metrics: Sequence[str],
+                field_styles: dict[str, str]) -> None:
+    """One handle's panel: every metric of every field over the steps (distributed: one line per rank)."""
+    for r in fields:
+        ls = field_styles.setdefault(str(r.field), _FIELD_STYLES[len(field_styles) % len(_FIELD_STYLES)])
+        mk = _marker(field_styles, str(r.field))
+        x = _x(r.steps, r.calls)
+        groups = [np.ones(len(x), bool)] if r.ranks is None else [r.ranks == k for k in np.unique(r.ranks)]
+        for m in metrics:
+            y = r.values.get(m)
+            if y is None:
+                continue
+            for sel in groups:
+                ax.plot(x[sel], y[sel], linestyle=ls, color=_METRIC_STYLE[m]["color"], marker=mk,
+                        markersize=3, linewidth=1.6)
+    ax.set_title(h if len(fields) > 1 else f"{h}  ·  {fields[0].field}", fontsize=10)
+    ax.grid(True, alpha=0.3)
+    if "cosine" in metrics or "norm_ratio" in metrics:
+        ax.axhline(1.0, color="#999999", linewidth=0.8, zorder=0)
+    if "rel_l2" in metrics:
+        ax.axhline(0.0, color="#999999", linewidth=0.8, zorder=0)
+
+
+def _legend(fig: Any, metrics: Sequence[str], field_styles: dict[str, str], multi_field: bool) -> None:
+    """Colours name the metrics; line styles and markers the fields (when a panel has several)."""
     from matplotlib.lines import Line2D
 
     proxies = [Line2D([], [], color=_METRIC_STYLE[m]["color"], linewidth=2) for m in metrics]
     labels = [_METRIC_STYLE[m]["label"] for m in metrics]
     if multi_field:
         for f, ls in field_styles.items():
-            proxies.append(Line2D([], [], color="#555555", linestyle=ls,
-                                  marker=_MARKERS[list(field_styles).index(f) % len(_MARKERS)], markersize=3))
+            proxies.append(Line2D([], [], color="#555555", linestyle=ls, marker=_marker(field_styles, f),
+                                  markersize=3))
             labels.append(f)
-    if handles:
-        fig.legend(proxies, labels, loc="outside lower center", ncol=min(len(labels), 4 if multi_field else 3),
-                   fontsize=9, frameon=False)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    fig.legend(proxies, labels, loc="outside lower center", ncol=min(len(labels), 4 if multi_field else 3),
+               fontsize=9, frameon=False)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import click
 import numpy as np
@@ -25,33 +25,19 @@ from .options import (
     tracking_uri_option,
 )
 
-
-def _shape(fld: Any) -> list[int] | None:
-    s = getattr(fld, "shape", None)
-    return [int(x) for x in s] if s is not None else None
+if TYPE_CHECKING:  # (storage is imported when a command runs: `hookline --help` stays fast)
+    from hookline.storage.reader import Field, Run
 
 
-def _dtype(fld: Any) -> str:
-    """The logical dtype (``bfloat16`` for a field read as exact float32)."""
-    name = getattr(fld, "dtype_name", None)
-    if isinstance(name, str) and name:
-        return name
-    d = getattr(fld, "dtype", None)
-    return getattr(d, "name", None) or str(d)
+def _shape(fld: Field) -> list[int] | None:
+    return list(fld.shape) if fld.shape is not None else None
 
 
-def _steps(obj: Any) -> np.ndarray:
-    s = getattr(obj, "steps", None)
-    return np.asarray(s if s is not None else [], np.int64)
+def handle_info(run: Run, hid: str) -> dict[str, Any]:
+    """What ``show`` lists of one handle: its module, records, steps, ranks, bytes on disk, fields
+    (name, dtype, shape, records) and a warning when records are unreadable."""
+    from hookline.storage.blocks import damage_note
 
-
-def handle_bytes(handle: Any) -> int | None:
-    """Bytes on disk of one handle: its files' sizes (for an MLflow run, the artifacts' sizes
-    MLflow lists), else None."""
-    return handle.file_bytes
-
-
-def handle_info(run: Any, hid: str) -> dict[str, Any]:
     h = run[hid]
     fields = []
     for name in h.fields:
@@ -59,34 +45,31 @@ def handle_info(run: Any, hid: str) -> dict[str, Any]:
         shape = _shape(f)
         fields.append({
             "name": name,
-            "dtype": _dtype(f),
+            "dtype": f.dtype_name,
             "shape": shape,
             "ragged": shape is None,
             "records": len(f),
         })
-    steps = _steps(h)
-    record_ranks = np.asarray(getattr(h, "ranks", ()), np.int64)
-    ranks = sorted(int(r) for r in np.unique(record_ranks) if r >= 0) or None
-    from hookline.storage.compare import damage_note
-
+    steps = h.steps
+    ranks = sorted(int(r) for r in np.unique(h.ranks) if r >= 0) or None
     return {
         "handle": hid,
-        "module_name": getattr(h, "module_name", None),
-        "module_type": getattr(h, "module_type", None),
-        "category": getattr(h, "category", None),
+        "module_name": h.module_name,
+        "module_type": h.module_type,
+        "category": h.category,
         "records": int(len(steps)),
         "steps": [int(steps.min()), int(steps.max())] if steps.size else None,
         "n_steps": int(np.unique(steps).size),
         "ranks": ranks,
-        "bytes": handle_bytes(h),
+        "bytes": h.file_bytes,
         "fields": fields,
         "warning": damage_note(h),
     }
 
 
-def field_stats(fld: Any, advance=lambda n=1: None) -> dict[str, Any]:
+def field_stats(fld: Field, advance: Callable[[int], None] = lambda n=1: None) -> dict[str, Any]:
     """Streamed statistics over all records: element min/max/mean and per-record L2 norms."""
-    from hookline.storage.compare import iter_records
+    from hookline.storage.blocks import iter_records
 
     n_el = 0
     total = 0.0
@@ -158,12 +141,10 @@ def show(run: str, handle: str | None, as_json: bool, quiet: bool, tracking_uri:
         for i in infos:
             if i["warning"]:
                 click.echo(f"warning: {i['warning']}", err=True)
-        status = getattr(r, "status", None)
-        meta = getattr(r, "meta", None) or {}
         if as_json:
-            echo_json(clean_json({"run": run, "status": status, "meta": meta, "handles": infos}))
+            echo_json(clean_json({"run": run, "status": r.status, "meta": r.meta, "handles": infos}))
             return
-        _print_run(run, infos, status, meta)
+        _print_run(run, infos, r.status, r.meta)
         return
 
     info = handle_info(r, handle)  # unknown handle -> UnknownNameError -> one-line error

@@ -2,26 +2,11 @@
 
 from __future__ import annotations
 
-import dataclasses
 import os
-from typing import Any
 
 import click
 
 from .options import CONTEXT_SETTINGS, clean_json, console, echo_json, json_option
-
-
-def report_dict(report: Any) -> dict[str, Any]:
-    """JSON form of a VerifyReport (its own ``to_dict()`` when it has one)."""
-    if hasattr(report, "to_dict"):
-        d = dict(report.to_dict())
-    elif dataclasses.is_dataclass(report):
-        d = dataclasses.asdict(report)
-    else:
-        d = {k: v for k, v in vars(report).items() if not k.startswith("_")}
-    if "ok" not in d and hasattr(report, "ok"):
-        d["ok"] = bool(report.ok)
-    return d
 
 
 @click.command(context_settings=CONTEXT_SETTINGS, short_help='Check a run directory; --repair fixes what it can.')
@@ -47,13 +32,11 @@ def verify(run_dir: str, repair: bool, as_json: bool) -> None:
     if not os.path.isdir(run_dir):
         raise click.ClickException(f"run directory {run_dir!r} does not exist")
     report = storage_verify(run_dir, repair=repair)
-    d = report_dict(report)
-    ok = bool(d.get("ok", True))
     if as_json:
-        echo_json(clean_json(d))
+        echo_json(clean_json(report.to_dict()))
     else:
         console().print(str(report), soft_wrap=True, highlight=False, markup=False)
-    if not ok:
+    if not report.ok:
         raise click.ClickException(
             f"run directory {run_dir!r} has problems"
             + ("" if repair else "; run `hookline verify --repair` to fix what can be fixed")

@@ -30,10 +30,12 @@ __all__ = [
     "NATIVE_NAMES",
     "BITS_NAMES",
     "info",
+    "lookup",
     "native_name",
     "decode",
     "to_torch",
     "float8_table",
+    "to_float",
 ]
 
 
@@ -113,6 +115,12 @@ def info(name: str) -> DtypeInfo:
         raise InvalidArgumentError(
             f"unknown dtype name {name!r}; known: {', '.join(sorted(_INFO))}"
         ) from None
+
+
+def lookup(name: object) -> DtypeInfo | None:
+    """The :class:`DtypeInfo` of a logical dtype name, or None when ``name`` is not one (for
+    validating input without an exception; :func:`info` raises)."""
+    return _INFO.get(name) if isinstance(name, str) else None
 
 
 def native_name(dtype: np.dtype) -> str:

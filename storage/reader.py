@@ -12,25 +12,29 @@ Data comes from a *source* with two methods, so local directories and MLflow run
 
 A source may also offer ``discover(key, suffix) -> _segments.Discovery`` to list segment files
 (the local source does; remote sources provide only the final files named in the manifest).
+
+(~620 lines, kept in one file: :class:`Run`, :class:`Handle`, :class:`LazyPart` and
+:class:`Field` share private state - a Field reads its handle's opened parts and record offsets -
+so splitting them would pass private names between modules.)
 """
 
 from __future__ import annotations
 
-import json
 import os
 import warnings
+from functools import cached_property
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
-import h5py
 import numpy as np
 
 from . import dtypes
 from ._h5file import FileLRU, Part, PartField, check_max_open_files, open_part
 from ._segments import Discovery, discover_files
 from .errors import FormatError, HookTypeError, InvalidArgumentError, RecordIndexError, StorageError, UnknownNameError
-from .format import FORMAT_VERSION, MANIFEST_RE, RUN_FORMAT, check_manifest, rank_suffix, read_manifest
+from .format import MANIFEST_RE, check_manifest, rank_suffix, read_manifest
 from .sources import find_source
+from .synthesise import synthesise_manifests
 
 __all__ = ["open_run", "Run", "Handle", "Field", "LocalSource"]
 
@@ -53,11 +57,19 @@ class LocalSource:
 
     def manifests(self) -> list[dict[str, Any]]:
         """Parsed manifests (``manifest.json`` / ``manifest.rank<r>.json``); synthesised from the
-        files' attributes when there is none."""
+        files' attributes when there is none.
+
+        Raises:
+            FormatError: no manifest and no hookline file: not a run directory (perhaps a folder
+                of runs, which the message names).
+        """
         found = sorted(p for p in self.root.iterdir() if MANIFEST_RE.fullmatch(p.name))
         if found:
             return [read_manifest(p) for p in found]
-        return _synthesise_manifests(self.root)
+        manifests = synthesise_manifests(self.root)
+        if not manifests:
+            raise _not_a_run(self.root)
+        return manifests
 
     def path(self, rel: str) -> Path:
         """Local path of a file of the run."""
@@ -75,66 +87,33 @@ class LocalSource:
         return discover_files(self.root, key, suffix)
 
 
-def _synthesise_manifests(root: Path, strict: bool = True) -> list[dict[str, Any]]:
-    """Build manifests from the attributes of every complete file (a run without manifest),
-    with the run metadata the writer stored in each file.
+def _not_a_run(root: Path) -> FormatError:
+    """The error for a directory with no manifest and no hookline file of its own: perhaps a
+    folder of runs (the demo's), which the message then names."""
+    nested = sorted({p.parent for p in root.rglob("*.json") if MANIFEST_RE.fullmatch(p.name)
+                     and ".quarantine" not in p.relative_to(root).parts} - {root})
+    if nested:
+        names = [str(p.relative_to(root)) for p in nested]
+        return FormatError(f"{str(root)!r} is not a run directory (no manifest.json) but contains runs: "
+                           f"{_names_hint(names, 10)}; pass one of them")
+    return FormatError(
+        f"{str(root)!r} is not a hookline run directory: it has no manifest.json and no hookline "
+        "handle files (a run directory is what a Recorder or RunWriter was given)")
 
-    Raises:
-        FormatError: (``strict``) ``root`` holds other runs (e.g. the demo's folder of two runs),
-            or no hookline file at all: it is not a run directory.
+
+class LazyPart:
+    """A part of a handle (one complete file, of one rank) that is opened on first use.
+
+    Once open it stays open as far as the run's :class:`FileLRU` allows (the LRU closes and
+    reopens the file underneath; :attr:`part` stays valid).
+
+    Attributes:
+        source: the run's source (gives the part's local path).
+        rel: the part's name relative to the run directory.
+        rank: the rank it belongs to (None when not distributed).
+        lru: the run's open-file bound.
+        part: the opened :class:`Part`, or None before the first :meth:`open`.
     """
-    by_rank: dict[tuple[int, int], dict[str, Any]] = {}
-    for p in sorted(list(root.rglob("*.h5")) + list(root.rglob("*.h5seg"))):
-        try:
-            with h5py.File(p, "r", rdcc_nbytes=0) as f:
-                a = {k: (v.decode() if isinstance(v, bytes) else v) for k, v in f.attrs.items()}
-        except OSError:
-            continue
-        if a.get("hookline_format") != "hookline-handle":
-            continue
-        if not p.relative_to(root).as_posix().startswith(f"{a.get('key')}."):
-            continue  # not where its key puts it: a file of another run (copied or nested)
-        rank, ws = int(a.get("rank", -1)), int(a.get("world_size", -1))
-        m = by_rank.setdefault((rank, ws), {
-            "format": RUN_FORMAT, "format_version": FORMAT_VERSION, "status": "unknown",
-            "rank": None if rank < 0 else rank, "world_size": None if ws < 0 else ws,
-            "meta": _run_meta(a), "handles": {}})
-        for attr, key in (("run_uuid", "run_uuid"), ("run_created", "created")):  # the run's identity
-            if a.get(attr) and key not in m:
-                m[key] = str(a[attr])
-        hid = str(a["handle_id"])
-        m["handles"].setdefault(hid, {
-            "key": str(a["key"]), "file": f"{a['key']}{rank_suffix(m['rank'], m['world_size'])}.h5",
-            "module_name": str(a.get("module_name", "")), "module_type": str(a.get("module_type", "")),
-            "category": str(a.get("category", "")), "hook_fn_name": str(a.get("hook_fn_name", "")),
-            "meta": json.loads(a.get("meta", "{}")), "fields": {}})
-    if not by_rank and strict:
-        nested = sorted({p.parent for p in root.rglob("*.json") if MANIFEST_RE.fullmatch(p.name)
-                         and ".quarantine" not in p.relative_to(root).parts} - {root})
-        if nested:
-            names = [str(p.relative_to(root)) for p in nested]
-            raise FormatError(
-                f"{str(root)!r} is not a run directory (no manifest.json) but contains runs: "
-                f"{_names_hint(names, 10)}; pass one of them"
-            )
-        raise FormatError(
-            f"{str(root)!r} is not a hookline run directory: it has no manifest.json and no hookline "
-            "handle files (a run directory is what a Recorder or RunWriter was given)"
-        )
-    return [by_rank[k] for k in sorted(by_rank)]
-
-
-def _run_meta(attrs: dict[str, Any]) -> dict[str, Any]:
-    try:
-        meta = json.loads(attrs.get("run_meta") or "{}")
-    except ValueError:
-        return {}
-    return meta if isinstance(meta, dict) else {}
-
-
-class _Ref:
-    """One complete file of a handle (of one rank), opened on first use (and kept open as the
-    run's :class:`FileLRU` allows)."""
 
     def __init__(self, source: Any, rel: str, rank: int | None, lru: FileLRU | None = None):
         self.source = source
@@ -144,6 +123,12 @@ class _Ref:
         self.part: Part | None = None
 
     def open(self, handle_id: str) -> Part:
+        """The opened part (opened now on first use).
+
+        Raises:
+            StorageError: the file cannot be opened (``__cause__`` is the ``OSError``).
+            FormatError: the file belongs to another handle than ``handle_id``.
+        """
         if self.part is None:
             path = self.source.path(self.rel)
             try:
@@ -273,9 +258,9 @@ class Handle:
         self._fields: dict[str, Field] = {}
 
     def _discover(self) -> None:
-        """List the handle's files (final file, or sealed segments of a live or killed run)."""
+        """List the handle's parts (final file, or sealed segments of a live or killed run)."""
         self.gaps: list[tuple[int | None, int, int]] = []
-        self._refs: list[_Ref] = []
+        self._listed: list[LazyPart] = []
         self._damaged: list[str] = []
         run = self.run
         src = run.source
@@ -284,38 +269,47 @@ class Handle:
             if hasattr(src, "discover"):
                 d = src.discover(e["key"], rank_suffix(rank, m.get("world_size")))
                 self.gaps.extend((rank, a, b) for a, b in d.gaps)
-                self._refs.extend(_Ref(src, f.name, rank, run.files) for f in d.cover)
+                self._listed.extend(LazyPart(src, f.name, rank, run.files) for f in d.cover)
                 self._damaged.extend(rel for rel, _ in d.broken)  # (still bytes on disk)
             elif e.get("records", 1) or e.get("file"):
-                self._refs.append(_Ref(src, e["file"], rank, run.files))
-        self._files = list(self._refs)  # (_refs keeps the readable ones once loaded)
+                self._listed.append(LazyPart(src, e["file"], rank, run.files))
+        self._lazy = list(self._listed)  # the readable ones, once loaded
 
     # --- loading -------------------------------------------------------------------------------------
     def _load(self) -> None:
+        """Open the handle's parts (once) and index their records and fields."""
         if self._loaded:
             return
-        for attempt in (1, 2):
-            parts, refs, errors = [], [], []
-            for r in self._refs:
-                try:
-                    parts.append(r.open(self.id))
-                    refs.append(r)
-                except (StorageError, FormatError) as e:
-                    errors.append(e)
-            if attempt == 1 and any(isinstance(e.__cause__, FileNotFoundError) for e in errors):
-                # A live run's writer merged or sealed files since the handle listed them (close()
-                # merges segments into the final file): list again, once; not damage.
-                self._close()
-                self._discover()
-                continue
-            break
+        parts, lazy, errors = self._open_parts()
+        if any(isinstance(e.__cause__, FileNotFoundError) for e in errors):
+            # A live run's writer merged or sealed files since the handle listed them (close()
+            # merges segments into the final file): list again, once; not damage.
+            self._close()
+            self._discover()
+            parts, lazy, errors = self._open_parts()
         for e in errors:
             # A damaged complete file (external corruption): read the others (if any: a handle
             # whose every file is damaged reads as empty, like one whose final file is), say so
             # loudly; the rest of the run stays readable.
             self.problems.append(str(e))
             warnings.warn(f"hookline: skipping unreadable file: {e} (run `hookline verify`)", stacklevel=3)
-        self._refs = refs
+        self._lazy = lazy
+        self._index(parts)
+
+    def _open_parts(self) -> tuple[list[Part], list[LazyPart], list[StorageError | FormatError]]:
+        """Open every listed part: the opened parts with their :class:`LazyPart`, and the errors
+        of those that did not open."""
+        parts, lazy, errors = [], [], []
+        for lp in self._lazy:
+            try:
+                parts.append(lp.open(self.id))
+                lazy.append(lp)
+            except (StorageError, FormatError) as e:
+                errors.append(e)
+        return parts, lazy, errors
+
+    def _index(self, parts: list[Part]) -> None:
+        """Record offsets and field names (in order of first appearance) of the opened parts."""
         self._parts = parts
         self._base = np.cumsum([0] + [p.n for p in parts])[:-1].astype(np.int64)
         self._n = int(sum(p.n for p in parts))
@@ -328,13 +322,14 @@ class Handle:
         self._loaded = True
 
     def _close(self) -> None:
-        for r in self._refs:
-            if r.part is not None:
-                r.part.close()
-                r.part = None
+        """Close the opened parts and forget what was loaded (the next read opens them again)."""
+        for lp in self._lazy:
+            if lp.part is not None:
+                lp.part.close()
+                lp.part = None
         self._loaded = False
         self._fields.clear()
-        for attr in ("_steps", "_calls", "_ranks"):
+        for attr in ("steps", "calls", "ranks"):  # (cached properties)
             self.__dict__.pop(attr, None)
 
     @property
@@ -346,7 +341,7 @@ class Handle:
         if size is None:
             return None
         total = 0
-        for rel in [r.rel for r in self._files] + self._damaged:
+        for rel in [lp.rel for lp in self._listed] + self._damaged:
             n = size(rel)
             if n is None:
                 return None
@@ -364,33 +359,25 @@ class Handle:
         self._load()
         return self._n
 
-    @property
+    @cached_property
     def steps(self) -> np.ndarray:
         """int64 step of every record."""
-        if "_steps" not in self.__dict__:
-            self._load()
-            self.__dict__["_steps"] = (np.concatenate([p.steps for p in self._parts])
-                                       if self._parts else np.zeros(0, np.int64))
-        return self.__dict__["_steps"]
+        self._load()
+        return np.concatenate([p.steps for p in self._parts]) if self._parts else np.zeros(0, np.int64)
 
-    @property
+    @cached_property
     def calls(self) -> np.ndarray:
         """int64 call index (within its step) of every record."""
-        if "_calls" not in self.__dict__:
-            self._load()
-            self.__dict__["_calls"] = (np.concatenate([p.calls for p in self._parts])
-                                       if self._parts else np.zeros(0, np.int64))
-        return self.__dict__["_calls"]
+        self._load()
+        return np.concatenate([p.calls for p in self._parts]) if self._parts else np.zeros(0, np.int64)
 
-    @property
+    @cached_property
     def ranks(self) -> np.ndarray:
         """int64 rank of every record (-1 when not distributed)."""
-        if "_ranks" not in self.__dict__:
-            self._load()
-            self.__dict__["_ranks"] = np.concatenate(
-                [np.full(p.n, -1 if r.rank is None else r.rank, np.int64) for p, r in zip(self._parts, self._refs)]
-            ) if self._parts else np.zeros(0, np.int64)
-        return self.__dict__["_ranks"]
+        self._load()
+        return np.concatenate(
+            [np.full(p.n, -1 if lp.rank is None else lp.rank, np.int64) for p, lp in zip(self._parts, self._lazy)]
+        ) if self._parts else np.zeros(0, np.int64)
 
     def __getitem__(self, name: str) -> Field:
         f = self._fields.get(name)
@@ -459,38 +446,34 @@ class Field:
     def __len__(self) -> int:
         return int(self._cum[-1])
 
-    @property
+    @cached_property
     def records(self) -> np.ndarray:
         """Handle record index (position in ``handle.steps``) of each of this field's entries."""
-        if "_records" not in self.__dict__:
-            h = self.handle
-            parts = [h._base[i] + (pf.records - h._parts[i].record_start) for i, pf in self._segs]
-            self.__dict__["_records"] = np.concatenate(parts) if parts else np.zeros(0, np.int64)
-        return self.__dict__["_records"]
+        h = self.handle
+        parts = [h._base[i] + (pf.records - h._parts[i].record_start) for i, pf in self._segs]
+        return np.concatenate(parts) if parts else np.zeros(0, np.int64)
 
-    @property
+    @cached_property
     def steps(self) -> np.ndarray:
         """Step of each entry of this field."""
-        if "_steps" not in self.__dict__:
-            self.__dict__["_steps"] = self.handle.steps[self.records]
-        return self.__dict__["_steps"]
+        return self.handle.steps[self.records]
 
-    @property
+    @cached_property
     def calls(self) -> np.ndarray:
         """Call index of each entry of this field."""
-        if "_calls" not in self.__dict__:
-            self.__dict__["_calls"] = self.handle.calls[self.records]
-        return self.__dict__["_calls"]
+        return self.handle.calls[self.records]
+
+    @cached_property
+    def _step_order(self) -> tuple[np.ndarray, np.ndarray]:
+        """Entry indices sorted by step (stable), and the steps in that order."""
+        order = np.argsort(self.steps, kind="stable")
+        return order, self.steps[order]
 
     def step_indices(self, step: int) -> np.ndarray:
         """Entry indices recorded at ``step``, in record order (O(log n) after the first call)."""
-        if "_order" not in self.__dict__:
-            order = np.argsort(self.steps, kind="stable")
-            self.__dict__["_order"] = order
-            self.__dict__["_sorted_steps"] = self.steps[order]
-        sorted_steps = self.__dict__["_sorted_steps"]
+        order, sorted_steps = self._step_order
         lo, hi = np.searchsorted(sorted_steps, step, "left"), np.searchsorted(sorted_steps, step, "right")
-        return np.sort(self.__dict__["_order"][lo:hi])
+        return np.sort(order[lo:hi])
 
     def record_shape(self, i: int) -> tuple[int, ...]:
         """Shape of entry ``i`` (no data read)."""
@@ -635,7 +618,4 @@ def open_run(path_or_uri: str | os.PathLike[str], *, tracking_uri: str | None = 
     if not p.is_dir():
         raise StorageError(f"no run directory {s!r}: give the directory a RunWriter/Recorder wrote "
                            f"(or runs:/<mlflow run id>)")
-    run = Run(LocalSource(p), s, max_open_files)
-    if not run.manifests:
-        raise FormatError(f"{s!r} holds no hookline manifest and no hookline .h5 files")
-    return run
+    return Run(LocalSource(p), s, max_open_files)  # (no manifest and no hookline file: FormatError)

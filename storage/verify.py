@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from ._h5file import Part, merge_files, open_part
-from ._segments import discover_files
+from ._segments import Discovery, discover_files
 from .errors import FormatError, StorageError
 from .format import (
     MANIFEST_RE,
@@ -41,7 +41,8 @@ from .format import (
     now_iso,
     rank_suffix,
 )
-from .reader import LocalSource, _synthesise_manifests
+from .reader import LocalSource
+from .synthesise import synthesise_manifests
 
 __all__ = ["verify", "VerifyReport", "HandleReport", "QUARANTINE_DIR"]
 
@@ -205,32 +206,48 @@ def verify(path: str | os.PathLike[str], repair: bool = False) -> VerifyReport:
         raise StorageError(
             f"a RunWriter is still writing {str(path)!r} (lock {held[0]!r} is held): close it (or let it "
             f"finish) before verify(repair=True); verify without repair reads a live run safely")
-    src = LocalSource(run_dir)
+    manifests = _load_manifests(run_dir, repair, report)
+    _add_unlisted_handles(run_dir, manifests, report)
+    if not manifests:
+        report.problems.append("no manifest and no hookline files")
+        return report
+    _check_manifest_writes(run_dir, repair, report)
+    for m in manifests:
+        _verify_rank(run_dir, m, repair, report)
+    return report
+
+
+def _load_manifests(run_dir: Path, repair: bool, report: VerifyReport) -> list[dict[str, Any]]:
+    """The run's manifests; rebuilt from the files' attributes when missing or unreadable (an
+    unreadable one is quarantined on repair)."""
     damage = None
+    manifests: list[dict[str, Any]] = []
     if not any(MANIFEST_RE.fullmatch(p.name) for p in run_dir.iterdir()):
         damage = "manifest.json is missing"
-        manifests = []
     else:
         try:
-            manifests = src.manifests()
+            manifests = LocalSource(run_dir).manifests()
         except FormatError as e:
             damage = f"manifest unreadable: {e}"
-            manifests = []
             if repair:
                 for p in run_dir.iterdir():
                     if p.name.startswith("manifest") and p.suffix == ".json":
                         _quarantine(run_dir, p.name, report)
-    if damage is not None:
-        # Rebuilt from the files' attributes (handles, run metadata); the record counts follow
-        # from the files below.
-        manifests = _synthesise_manifests(run_dir, strict=False)
-        if repair:
-            report.repaired.append(f"{damage}: rebuilt from the files' attributes")
-        else:
-            report.problems.append(f"{damage} (repair rebuilds it from the files' attributes)")
-    # Files of handles the manifest does not know (e.g. manifest lost): add them.
+    if damage is None:
+        return manifests
+    # Rebuilt from the files' attributes (handles, run metadata); the record counts follow from
+    # the files (_verify_handle).
+    if repair:
+        report.repaired.append(f"{damage}: rebuilt from the files' attributes")
+    else:
+        report.problems.append(f"{damage} (repair rebuilds it from the files' attributes)")
+    return synthesise_manifests(run_dir)
+
+
+def _add_unlisted_handles(run_dir: Path, manifests: list[dict[str, Any]], report: VerifyReport) -> None:
+    """Add the handles that have files but no manifest entry (e.g. the manifest was lost)."""
     known = {(m.get("rank"), hid) for m in manifests for hid in m["handles"]}
-    for sm in _synthesise_manifests(run_dir, strict=False):
+    for sm in synthesise_manifests(run_dir):
         target = next((m for m in manifests if m.get("rank") == sm.get("rank")), None)
         for hid, e in sm["handles"].items():
             if (sm.get("rank"), hid) in known:
@@ -240,65 +257,43 @@ def verify(path: str | os.PathLike[str], repair: bool = False) -> VerifyReport:
                 target = dict(sm, handles={})
                 manifests.append(target)
             target["handles"][hid] = e
-    if not manifests:
-        report.problems.append("no manifest and no hookline files")
-        return report
-    for tmp in sorted(run_dir.glob("manifest*.json.tmp")):  # a manifest write that never finished
+
+
+def _check_manifest_writes(run_dir: Path, repair: bool, report: VerifyReport) -> None:
+    """Report (repair: quarantine) manifest writes that never finished (``manifest*.json.tmp``)."""
+    for tmp in sorted(run_dir.glob("manifest*.json.tmp")):
         if repair:
             report.repaired.append(f"moved interrupted manifest write {tmp.name} to "
                                    f"{_quarantine(run_dir, tmp.name, report)}")
         else:
             report.problems.append(f"interrupted manifest write {tmp.name} (the manifest itself is intact)")
-    for m in manifests:
-        rank, ws = m.get("rank"), m.get("world_size")
-        suffix = rank_suffix(rank, ws)
-        for hid, entry in m["handles"].items():
-            hr = _verify_handle(run_dir, m, hid, entry, suffix, repair, report)
-            report.handles.append(hr)
-        if repair:
-            m["status"] = "closed" if all(h.ok for h in report.handles if h.rank == rank) else m.get("status", "open")
-            m["updated"] = now_iso()
-            m["verified"] = now_iso()
-            atomic_write_json(run_dir / manifest_name(rank, ws), m)
-            report.repaired.append(f"rewrote {manifest_name(rank, ws)}")
-    return report
+
+
+def _verify_rank(run_dir: Path, m: dict[str, Any], repair: bool, report: VerifyReport) -> None:
+    """Verify every handle of one rank's manifest; on repair, rewrite that manifest."""
+    rank, ws = m.get("rank"), m.get("world_size")
+    suffix = rank_suffix(rank, ws)
+    for hid, entry in m["handles"].items():
+        report.handles.append(_verify_handle(run_dir, m, hid, entry, suffix, repair, report))
+    if repair:
+        m["status"] = "closed" if all(h.ok for h in report.handles if h.rank == rank) else m.get("status", "open")
+        m["updated"] = now_iso()
+        m["verified"] = now_iso()
+        atomic_write_json(run_dir / manifest_name(rank, ws), m)
+        report.repaired.append(f"rewrote {manifest_name(rank, ws)}")
 
 
 def _verify_handle(run_dir: Path, m: dict, hid: str, entry: dict, suffix: str, repair: bool,
                    report: VerifyReport) -> HandleReport:
+    """Check one handle's parts and report; on repair, merge them into its final file and update
+    its manifest entry."""
     hr = HandleReport(hid, m.get("rank"))
     key = entry.get("key")
     if not key:
         hr.problems.append("manifest entry has no 'key'")
         return hr
-    while True:
-        d = discover_files(run_dir, key, suffix)
-        bad: list[tuple[str, str]] = list(d.broken)
-        good: list[_Checked] = []
-        for fe in d.cover:  # one file open at a time: a handle may have thousands of segments
-            checked = _check_file(run_dir, fe.name, hid)
-            if isinstance(checked, str):
-                bad.append((fe.name, checked))
-            else:
-                good.append(checked)
-        if not bad or not repair:
-            break
-        for rel, why in bad:
-            dst = _quarantine(run_dir, rel, report)
-            hr.repaired.append(f"moved unreadable {rel} to {dst} ({why})")
-    for rel, why in bad:
-        hr.problems.append(f"unreadable file {rel}: {why}")
-    for rels, what, why in (
-        (d.partials, "unflushed partial file", "written when the writer stopped; its records were never flushed"),
-        (d.leftovers, "interrupted merge output",
-         "a copy: its records are in other files; the next writer or a repair removes it"),
-    ):
-        for rel in rels:
-            if repair:
-                dst = _quarantine(run_dir, rel, report)
-                hr.repaired.append(f"moved {what} {rel} to {dst}")
-            else:
-                hr.problems.append(f"{what} {rel} ({why})")
+    d, good = _check_parts(run_dir, key, suffix, hid, repair, hr, report)
+    _report_leftovers(run_dir, d, repair, hr, report)
     for a, b in d.gaps:
         hr.problems.append(f"records [{a}, {b}) are missing (no file holds them)")
     hr.files = [c.rel for c in good]
@@ -321,23 +316,68 @@ def _verify_handle(run_dir: Path, m: dict, hid: str, entry: dict, suffix: str, r
             if fe.name != final_rel:  # (the merge just replaced that file with the merged one)
                 _remove_if_contained(run_dir, fe.name, hr, report)
     if repair:
-        entry["records"] = hr.records
-        fields = entry.setdefault("fields", {})
-        fp = open_part(run_dir / final_rel) if (run_dir / final_rel).exists() else None
-        if fp is not None:
-            for nm in fp.field_names:
-                pf = fp.field(nm)
-                fields[nm] = {"dtype": pf.dtype_name, "shape": list(pf.shape) if pf.shape is not None else None,
-                              "ndim": pf.ndim}  # as the writer's manifest: a continued run checks it
-            fp.close()
-        entry["segments"] = 0
-        entry["file"] = final_rel
-        hr.problems = [p for p in hr.problems if p.startswith("manifest says")]
-        if hr.problems:
-            entry["lost"] = hr.problems
-            hr.repaired.append("manifest updated to the readable records")
-            hr.problems = []
+        _update_entry(run_dir, entry, final_rel, hr)
     return hr
+
+
+def _check_parts(run_dir: Path, key: str, suffix: str, hid: str, repair: bool, hr: HandleReport,
+                 report: VerifyReport) -> tuple[Discovery, list[_Checked]]:
+    """List and check a handle's complete parts, one open at a time (a handle may have thousands
+    of segments); on repair, quarantine the unreadable ones and list again."""
+    while True:
+        d = discover_files(run_dir, key, suffix)
+        bad: list[tuple[str, str]] = list(d.broken)
+        good: list[_Checked] = []
+        for fe in d.cover:
+            checked = _check_file(run_dir, fe.name, hid)
+            if isinstance(checked, str):
+                bad.append((fe.name, checked))
+            else:
+                good.append(checked)
+        if not bad or not repair:
+            break
+        for rel, why in bad:
+            dst = _quarantine(run_dir, rel, report)
+            hr.repaired.append(f"moved unreadable {rel} to {dst} ({why})")
+    for rel, why in bad:
+        hr.problems.append(f"unreadable file {rel}: {why}")
+    return d, good
+
+
+def _report_leftovers(run_dir: Path, d: Discovery, repair: bool, hr: HandleReport, report: VerifyReport) -> None:
+    """Report (repair: quarantine) unflushed ``.partial`` files and outputs of interrupted merges."""
+    for rels, what, why in (
+        (d.partials, "unflushed partial file", "written when the writer stopped; its records were never flushed"),
+        (d.leftovers, "interrupted merge output",
+         "a copy: its records are in other files; the next writer or a repair removes it"),
+    ):
+        for rel in rels:
+            if repair:
+                dst = _quarantine(run_dir, rel, report)
+                hr.repaired.append(f"moved {what} {rel} to {dst}")
+            else:
+                hr.problems.append(f"{what} {rel} ({why})")
+
+
+def _update_entry(run_dir: Path, entry: dict[str, Any], final_rel: str, hr: HandleReport) -> None:
+    """After repair: the manifest entry lists the readable records and the final file's fields;
+    what could not be recovered moves from the problems to the entry's ``lost``."""
+    entry["records"] = hr.records
+    fields = entry.setdefault("fields", {})
+    fp = open_part(run_dir / final_rel) if (run_dir / final_rel).exists() else None
+    if fp is not None:
+        for nm in fp.field_names:
+            pf = fp.field(nm)
+            fields[nm] = {"dtype": pf.dtype_name, "shape": list(pf.shape) if pf.shape is not None else None,
+                          "ndim": pf.ndim}  # as the writer's manifest: a continued run checks it
+        fp.close()
+    entry["segments"] = 0
+    entry["file"] = final_rel
+    hr.problems = [p for p in hr.problems if p.startswith("manifest says")]
+    if hr.problems:
+        entry["lost"] = hr.problems
+        hr.repaired.append("manifest updated to the readable records")
+        hr.problems = []
 
 
 @dataclass

@@ -12,10 +12,13 @@ from hookline.storage.errors import (
     RunExistsError,
     UnknownNameError,
 )
-from hookline.tracker.handles import HookFunction, HookHandle, passive
-from hookline.tracker.manager import HookManager
-from hookline.tracker.pytree import Leaves
-from hookline.tracker.select import select
+from hookline.tracker.capture.recorder import Recorder
+from hookline.tracker.capture.stats import StatsSpec
+from hookline.tracker.capture.summary import RecorderSummary
+from hookline.tracker.hooks.handles import HookFunction, HookHandle, passive
+from hookline.tracker.hooks.manager import HookManager
+from hookline.tracker.hooks.pytree import Leaves
+from hookline.tracker.hooks.select import select
 
 __all__ = [
     "DuplicateNameError",
@@ -28,14 +31,11 @@ __all__ = [
     "HookTypeError",
     "InvalidArgumentError",
     "Leaves",
+    "Recorder",
+    "RecorderSummary",
     "RunExistsError",
+    "StatsSpec",
     "UnknownNameError",
     "passive",
     "select",
 ]
-
-# Recorder is re-exported below by the capture module.
-from .recorder import Recorder, RecorderSummary  # noqa: E402
-from .stats import StatsSpec  # noqa: E402
-
-__all__ += ["Recorder", "RecorderSummary", "StatsSpec"]

@@ -1,10 +1,10 @@
-"""Tensor -> storage field conversion and the host buffer pool (tracker/convert.py)."""
+"""Tensor -> storage field conversion and the host buffer pool (tracker/capture/convert.py)."""
 
 import numpy as np
 import pytest
 import torch
 
-from hookline.tracker.convert import BITS_DTYPES, BufferPool, to_field
+from hookline.tracker.capture.convert import BITS_DTYPES, BufferPool, to_field
 
 SPECIALS = [0.0, -0.0, 1.0, -2.5, float("inf"), float("-inf"), float("nan"), 1e-40, 3.0e38]
 

@@ -1,4 +1,4 @@
-"""Block packing of captured records (tracker/packer.py): into chunk-sized host blocks, to the
+"""Block packing of captured records (tracker/capture/packer.py): into chunk-sized host blocks, to the
 writer a block at a time, in record order, with the CUDA event bookkeeping exercised on CPU."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import torch
 
 from hookline.storage import RunWriter, open_run
 from hookline.storage.format import chunk_records
-from hookline.tracker.convert import BufferPool
-from hookline.tracker.packer import RAGGED_AFTER, BlockPacker, _Block
+from hookline.tracker.capture.convert import BufferPool
+from hookline.tracker.capture.packer import RAGGED_AFTER, BlockPacker, _Block
 
 
 class Calls:
@@ -79,7 +79,7 @@ def test_cast_in_the_copy_is_bit_identical_to_to():
 
 
 def test_stats_blocks_are_split_into_per_stat_fields():
-    from hookline.tracker.stats import SCALAR_STATS, StatsSpec, compute_stats
+    from hookline.tracker.capture.stats import SCALAR_STATS, StatsSpec, compute_stats
 
     got = Calls()
     packer = BlockPacker(got, BufferPool())

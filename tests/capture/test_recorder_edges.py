@@ -10,8 +10,8 @@ from torch import nn
 
 from hookline.storage import HookTypeError, InvalidArgumentError, open_run
 from hookline.tracker import HookFunctionError, HookManager, Recorder
-from hookline.tracker.packer import RAGGED_RESET
-from hookline.tracker.stats import StatsSpec
+from hookline.tracker.capture.packer import RAGGED_RESET
+from hookline.tracker.capture.stats import StatsSpec
 
 
 def recorded_identity(tmp_path, **kwargs):
@@ -497,13 +497,13 @@ def test_a_record_racing_close_is_written_or_refused_never_lost(tmp_path):
         rec = Recorder(tmp_path / f"r{trial}")
         mgr.register_forward_hook(rec.outputs, lin=lin)
         accepted = [0]
-        capture = rec._capture
+        capture = rec._bindings.record
 
         def counted(*a, capture=capture):
             capture(*a)  # raises when the record is refused
             accepted[0] += 1
 
-        rec._capture = counted
+        rec._bindings.record = counted
         rec.set_step(0)
         stop = threading.Event()
 

@@ -1,11 +1,11 @@
-"""mode="stats" summaries match numpy computed on the full tensors (tracker/stats.py)."""
+"""mode="stats" summaries match numpy computed on the full tensors (tracker/capture/stats.py)."""
 
 import numpy as np
 import pytest
 import torch
 
 from hookline.storage import InvalidArgumentError
-from hookline.tracker.stats import SCALAR_STATS, StatsSpec, compute_stats, split_stats
+from hookline.tracker.capture.stats import SCALAR_STATS, StatsSpec, compute_stats, split_stats
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int32])

@@ -220,3 +220,10 @@ def test_norm_ratio_only_uses_stored_norms(runs, monkeypatch):
     fast = compare_runs(ra, rb, metrics=["norm_ratio"])
     for x, y in zip(full, fast):
         np.testing.assert_allclose(y.values["norm_ratio"], x.values["norm_ratio"], rtol=1e-6)
+
+
+def test_cli_metric_choices_are_the_engine_metrics():
+    """The CLI spells the metrics out (building it imports no storage); they must stay the engine's."""
+    from hookline.cli.compare import METRIC_CHOICES
+
+    assert METRIC_CHOICES == METRICS

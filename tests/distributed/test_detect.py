@@ -1,11 +1,11 @@
-"""Rank detection and validation without a process group (tracker/distributed.py)."""
+"""Rank detection and validation without a process group (tracker/capture/distributed.py)."""
 
 import pytest
 from torch import nn
 
 from hookline.storage import InvalidArgumentError
 from hookline.tracker import Recorder, select
-from hookline.tracker.distributed import detect
+from hookline.tracker.capture.distributed import detect
 
 
 def test_single_process_defaults():

@@ -15,7 +15,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from hookline.tracker.pytree import flatten, flatten_call, unflatten_call
+from hookline.tracker.hooks.pytree import flatten, flatten_call, unflatten_call
 
 Grads = tuple[tuple, tuple]  # (grad_in, grad_out) of one call
 

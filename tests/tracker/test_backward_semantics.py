@@ -13,7 +13,7 @@ from _grad_reference import assert_same_calls, recorder, reference_grads
 from torch import nn
 
 from hookline.tracker import HookFunctionError, HookManager, select
-from hookline.tracker.backward import BackwardCall
+from hookline.tracker.hooks.backward import BackwardCall
 
 
 def counter():
@@ -394,7 +394,7 @@ def test_torch_func_transforms_work_with_backward_hooks_registered(mgr, monkeypa
     """torch.func.grad / jacrev / vmap over hooked modules compute what they compute without
     hooks (they raised before, as they do with torch's full backward hooks); the backward hooks
     do not fire inside them (said once, by a warning) and fire again in ordinary passes."""
-    from hookline.tracker import dispatch
+    from hookline.tracker.hooks import dispatch
 
     monkeypatch.setattr(dispatch, "_warned_transform", False)
     torch.manual_seed(0)

@@ -88,7 +88,7 @@ def test_replacement_is_unflattened_into_the_original_structure(mgr, out):
     mgr.register_forward_hook(lambda mod, i, o: tuple(t + 100 for t in o), m=m)
     new = m(torch.ones(1))
     assert type(new) is type(out)
-    from hookline.tracker.pytree import flatten
+    from hookline.tracker.hooks.pytree import flatten
 
     old_leaves, new_leaves = flatten(out)[0], flatten(new)[0]
     assert new_leaves.paths == old_leaves.paths and new_leaves.skipped == old_leaves.skipped

@@ -10,7 +10,7 @@ from collections import OrderedDict, namedtuple
 import torch
 
 from hookline.tracker import Leaves
-from hookline.tracker.pytree import flatten, flatten_call, unflatten, unflatten_call
+from hookline.tracker.hooks.pytree import flatten, flatten_call, unflatten, unflatten_call
 
 t0, t1, t2, t3 = (torch.full((1,), float(i)) for i in range(4))
 HC = namedtuple("HC", "h c")

@@ -1,6 +1,6 @@
 """Single-op calls: ``grad_in`` read off the op's own node instead of an identity node.
 
-For the module classes in ``backward._SINGLE_OP`` the manager skips the identity node when it can
+For the module classes in ``single_op._SINGLE_OP`` the manager skips the identity node when it can
 prove nothing comes between the input and the op. These tests check (1) that the path is taken
 where it should be and gives the gradients of an independent reference, (2) that every condition
 that could put something between input and op falls back to the identity node, with the same
@@ -18,8 +18,9 @@ import torch
 from _grad_reference import assert_same_calls, recorder, reference_grads
 from torch import nn
 
-from hookline.tracker import HookManager, HookOutputError, HookTypeError, backward, passive
-from hookline.tracker.handles import is_passive
+from hookline.tracker import HookManager, HookOutputError, HookTypeError, passive
+from hookline.tracker.hooks import single_op
+from hookline.tracker.hooks.handles import is_passive
 
 
 def identity_node_used(y: torch.Tensor, depth: int = 4) -> bool:
@@ -356,9 +357,9 @@ class _TwoOps(nn.Module):
 def test_a_failed_check_warns_reports_none_and_falls_back(mgr, monkeypatch):
     """Should a listed class ever compute its output with more than one op, the call's grad_in
     is None with a warning (never a wrong gradient), and later calls take the identity node."""
-    monkeypatch.setitem(backward._SINGLE_OP, _TwoOps, (lambda m, x: True, ("AddBackward0",)))
-    monkeypatch.setitem(backward._CLASS_FORWARD, _TwoOps, _TwoOps.forward)
-    monkeypatch.setitem(backward._FUNCTIONS, _TwoOps, ((torch, "add", torch.add),))
+    monkeypatch.setitem(single_op._SINGLE_OP, _TwoOps, (lambda m, x: True, ("AddBackward0",)))
+    monkeypatch.setitem(single_op._CLASS_FORWARD, _TwoOps, _TwoOps.forward)
+    monkeypatch.setitem(single_op._FUNCTIONS, _TwoOps, ((torch, "add", torch.add),))
     m = _TwoOps()
     calls, hook = recorder()
     mgr.register_backward_hook(hook, m=m)
@@ -382,7 +383,7 @@ def test_a_functional_patched_before_import_is_caught_by_the_node_kind(mgr, monk
     patched function in the snapshot): the op's node is not the one GELU makes, so the call
     reports None with a warning instead of the Mul node's (wrong) gradient."""
     with _quick_gelu():
-        monkeypatch.setitem(backward._FUNCTIONS, nn.GELU, ((nn.functional, "gelu", nn.functional.gelu),))
+        monkeypatch.setitem(single_op._FUNCTIONS, nn.GELU, ((nn.functional, "gelu", nn.functional.gelu),))
         gelu = nn.GELU()
         calls, hook = recorder()
         mgr.register_backward_hook(hook, m=gelu)

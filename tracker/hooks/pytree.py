@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["Leaves", "flatten", "flatten_call", "unflatten", "unflatten_call"]
+__all__ = ["Leaves", "flatten", "flatten_call", "index_paths", "unflatten", "unflatten_call"]
 
 _Tensor = torch.Tensor
 
@@ -75,7 +75,8 @@ _INDEX_PATHS: list[tuple[str, ...]] = [tuple(str(i) for i in range(n)) for n in 
 _ONE_PATH = _INDEX_PATHS[1]
 
 
-def _index_paths(n: int) -> tuple[str, ...]:
+def index_paths(n: int) -> tuple[str, ...]:
+    """The paths ``("0", "1", ..., str(n - 1))`` of ``n`` indexed leaves (cached for small n)."""
     return _INDEX_PATHS[n] if n < len(_INDEX_PATHS) else tuple(str(i) for i in range(n))
 
 
@@ -122,7 +123,7 @@ def flatten(obj: Any) -> tuple[Leaves, Any]:
     if isinstance(obj, _Tensor):
         return Leaves((obj,), ("0",)), _LEAF
     if type(obj) is tuple and all(type(t) is _Tensor for t in obj):
-        return Leaves(obj, _index_paths(len(obj))), _Tuple(len(obj))
+        return Leaves(obj, index_paths(len(obj))), _Tuple(len(obj))
     leaves: list = []
     paths: list = []
     skipped: list = []
@@ -184,7 +185,7 @@ def flatten_call(args: tuple, kwargs: dict) -> tuple[Leaves, Any]:
         if len(args) == 1 and type(args[0]) is _Tensor:
             return Leaves(args, _ONE_PATH), None
         if all(type(t) is _Tensor for t in args):
-            return Leaves(args, _index_paths(len(args))), None
+            return Leaves(args, index_paths(len(args))), None
     leaves: list = []
     paths: list = []
     skipped: list = []

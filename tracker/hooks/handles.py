@@ -1,20 +1,17 @@
-"""HookFunction (a registered hook function) and HookHandle (one function on one module)."""
+"""Hook registrations: HookFunction (a registered function), HookHandle (one function on one
+module, switched on and off through its module's slot) and the passive mark."""
 
 from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from torch import nn
 
 from hookline.storage.errors import HookFunctionError, HookTypeError, InvalidArgumentError
 
-if TYPE_CHECKING:
-    from hookline.tracker.dispatch import ModuleHooks
-    from hookline.tracker.manager import HookManager
-
-__all__ = ["HookFunction", "HookHandle", "passive"]
+__all__ = ["HandleSlot", "HookFunction", "HookHandle", "passive"]
 
 _PASSIVE = "_hookline_passive"
 
@@ -56,14 +53,10 @@ def passive(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def is_passive(fn: Callable[..., Any]) -> bool:
-    """Whether ``fn`` was marked with :func:`passive` (or its class is passive, as the
-    recorder's hooks are)."""
+    """Whether ``fn`` was marked with :func:`passive` (as the recorder's hooks are)."""
     mark = getattr(fn, _PASSIVE, None)
-    if mark is None:
-        return False
-    if isinstance(mark, weakref.ref):  # put on this very object (not copied by functools.wraps)
-        return mark() is getattr(fn, "__func__", fn)
-    return getattr(type(fn), _PASSIVE, None) is True
+    # put on this very object (not copied by functools.wraps)
+    return isinstance(mark, weakref.ref) and mark() is getattr(fn, "__func__", fn)
 
 
 class HookFunction:
@@ -90,6 +83,17 @@ class HookFunction:
         return f"HookFunction({self.name!r}, {self.category}, {len(self.module_to_handle)} modules)"
 
 
+class HandleSlot(Protocol):
+    """Where a handle switches itself on and off: the dispatcher of its module
+    (:class:`~hookline.tracker.hooks.dispatch.ModuleHooks`)."""
+
+    def add(self, handle: HookHandle) -> None:
+        """Start calling ``handle`` on the module's calls."""
+
+    def discard(self, handle: HookHandle) -> None:
+        """Stop calling ``handle``."""
+
+
 class HookHandle:
     """One registration of a :class:`HookFunction` on one module.
 
@@ -107,15 +111,17 @@ class HookHandle:
     """
 
     def __init__(
-        self, manager: HookManager, hook_fn: HookFunction, module: nn.Module, module_name: str,
-        slot: ModuleHooks, order: int,
+        self, hook_fn: HookFunction, module: nn.Module, module_name: str, slot: HandleSlot,
+        order: int, on_remove: Callable[[HookHandle], None],
     ) -> None:
+        """Made by the manager: ``slot`` serves the module, ``on_remove`` purges the handle from
+        the manager's tables (called once, by :meth:`remove`)."""
         self.hook_fn = hook_fn
         self.module = module
         self.module_name = module_name
         self.name = f"{hook_fn.name}[{module_name}]"
         self.order = order
-        self._manager: HookManager | None = manager
+        self._on_remove: Callable[[HookHandle], None] | None = on_remove
         self._slot = slot
         self._active = False
         self._suspended = False
@@ -143,7 +149,7 @@ class HookHandle:
     @property
     def removed(self) -> bool:
         """Whether the handle was removed (it can then never be activated again)."""
-        return self._manager is None
+        return self._on_remove is None
 
     def activate(self) -> None:
         """Make the hook run on the module's next calls (no-op when already active).
@@ -151,7 +157,7 @@ class HookHandle:
         Raises:
             InvalidArgumentError: the handle was removed.
         """
-        if self._manager is None:
+        if self._on_remove is None:
             raise InvalidArgumentError(
                 f"hook handle {self.name!r} was removed and cannot be activated again; "
                 "register the hook function on the module again"
@@ -168,9 +174,10 @@ class HookHandle:
             if not self._suspended:
                 self._slot.discard(self)
 
-    def _suspend(self, suspended: bool) -> None:
-        """Hold the hook off (or release it) for its owner, leaving :attr:`active` alone."""
-        if suspended != self._suspended and self._manager is not None:
+    def set_suspended(self, suspended: bool) -> None:
+        """Hold the hook off (or release it) for its owner, leaving :attr:`active` alone (see
+        :attr:`suspended`); no-op on a removed handle."""
+        if suspended != self._suspended and self._on_remove is not None:
             self._suspended = suspended
             if self._active:
                 if suspended:
@@ -180,10 +187,10 @@ class HookHandle:
 
     def remove(self) -> None:
         """Deactivate the hook and purge it from its manager's tables. Idempotent."""
-        manager, self._manager = self._manager, None
-        if manager is not None:
+        on_remove, self._on_remove = self._on_remove, None
+        if on_remove is not None:
             self.deactivate()
-            manager._forget(self)
+            on_remove(self)
 
     def call(self, *args: Any) -> Any:
         """Call the hook function; re-raise its exception as HookFunctionError naming the handle.

@@ -1,7 +1,7 @@
 """HookManager: register, find, (de)activate and remove module hooks by name.
 
 Registration, lookup tables and filters follow TackleBox (every example of its README runs
-unchanged); the hooks themselves are served by one :class:`~hookline.tracker.dispatch.ModuleHooks`
+unchanged); the hooks themselves are served by one :class:`~hookline.tracker.hooks.dispatch.ModuleHooks`
 per module, which installs torch hooks only while some handle of that module is active.
 """
 
@@ -21,8 +21,8 @@ from hookline.storage.errors import (
     InvalidArgumentError,
     UnknownNameError,
 )
-from hookline.tracker.dispatch import ModuleHooks
-from hookline.tracker.handles import HookFunction, HookHandle
+from hookline.tracker.hooks.dispatch import ModuleHooks
+from hookline.tracker.hooks.handles import HookFunction, HookHandle
 
 __all__ = ["CATEGORIES", "HookManager"]
 
@@ -258,13 +258,13 @@ class HookManager:
                 module.name = module_name
                 _NAME_USERS[module] = [(id(self), module_name)]
         slot.registered += 1
-        handle = HookHandle(self, hook_fn, module, module_name, slot, next(self._order))
+        handle = HookHandle(hook_fn, module, module_name, slot, next(self._order), self._forget)
         hook_fn.module_to_handle[module] = handle
         self.name_to_hookhandle[handle.name] = handle
         return handle
 
     def _forget(self, handle: HookHandle) -> None:
-        """Purge a removed handle (called by :meth:`HookHandle.remove`)."""
+        """Purge a removed handle (its ``on_remove``, called by :meth:`HookHandle.remove`)."""
         hook_fn, module = handle.hook_fn, handle.module
         if self.name_to_hookhandle.get(handle.name) is handle:
             del self.name_to_hookhandle[handle.name]

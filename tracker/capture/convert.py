@@ -2,7 +2,7 @@
 
 ``storage`` takes numpy arrays, or ``(raw_bits, dtype_name)`` pairs for dtypes numpy lacks
 (bfloat16, float8 variants, complex32). Everything here is zero-copy on the numpy side: the tensor
-handed in must already be a private copy (see :mod:`hookline.tracker.packer`).
+handed in must already be a private copy (see :mod:`hookline.tracker.capture.packer`).
 """
 
 from __future__ import annotations

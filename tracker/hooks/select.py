@@ -1,4 +1,4 @@
-"""Pick modules of a model by qualified name and type."""
+"""Pick modules of a model by qualified name and type (looking through DDP wrappers)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from torch import nn
 
 from hookline.storage.errors import HookTypeError
 
-from .distributed import unwrap
-
 __all__ = ["select"]
+
+_WRAPPERS = (nn.parallel.DistributedDataParallel, nn.DataParallel)
 
 
 def select(
@@ -52,6 +52,13 @@ def select(
         raise HookTypeError(f"select() types must be a type or a tuple of types, got {types!r}")
     return {
         name: module
-        for name, module in unwrap(model).named_modules()
+        for name, module in _unwrap(model).named_modules()
         if fnmatchcase(name, pattern) and (types is None or isinstance(module, types))
     }
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    """The user's module inside a DistributedDataParallel / DataParallel wrapper."""
+    while isinstance(model, _WRAPPERS):
+        model = model.module
+    return model

@@ -15,22 +15,14 @@ For every call of a module with active backward hooks (and grad mode on):
   outputs, so in-place ops after the module, like ``out += identity``, keep working; a tensor hook
   registered before an in-place op receives the gradient of the value before the modification).
 
-Single-op calls skip the identity node. A module whose forward is one autograd op on its input
-(``nn.Linear`` on a 2-d input, a convolution with zero padding on a batched input, a layer norm,
-an out-of-place pointwise activation: :data:`_SINGLE_OP`) creates one graph node per call, and
-that node's edge to the input already carries exactly the call's contribution to the input's
-gradient. For such calls the pre-hook only notes the input's gradient edge, and the forward hook
-checks that the output's node has that edge exactly once and registers a post-hook on the node
-(:meth:`BackwardCall.attach_node`): the same ``grad_in`` as through the identity node, for 8-10% less
-per call inside a training step (docs/hooks.md). The pre-hook takes this path only
-when nothing can come between the input it saw and the op and nothing else uses the input during
-the call (:func:`single_op_input` and ``ModuleHooks``: the class's own ``forward`` and
-functional, plain parameters, no autocast or function mode, no other hook before or after the
-manager's, no forward hook function that is not passive). The forward hook checks the op's node
-kind and edge before any forward hook function runs; should that fail, the call's ``grad_in``
-is reported as None with a warning (never a wrong value) and the module goes back to the
-identity node. Such a call fires right after its op, before the module's parameter gradients
-are accumulated (docs/hooks.md).
+Single-op calls skip the identity node (which calls qualify: :mod:`.single_op`). For such calls
+the pre-hook only notes the input's gradient edge (:meth:`BackwardCall.note_input`), and the
+forward hook checks that the output's node has that edge exactly once and registers a post-hook
+on the node (:meth:`BackwardCall.attach_node`): the same ``grad_in`` as through the identity
+node. The forward hook checks the op's node kind and edge before any forward hook function runs;
+should that fail, the call's ``grad_in`` is reported as None with a warning (never a wrong value)
+and the module goes back to the identity node (:class:`SingleOpFallback`). Such a call fires right
+after its op, before the module's parameter gradients are accumulated (docs/hooks.md).
 
 The state of one call (:class:`BackwardCall`) is owned by the autograd graph (the Function's
 context and the tensor hooks), never by the module: a forward without backward leaks nothing
@@ -49,19 +41,15 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
-from torch import nn as _nn
+from torch import nn
 
-from hookline.tracker.pytree import Leaves
+from hookline.tracker.hooks.handles import HookHandle
+from hookline.tracker.hooks.pytree import Leaves
 
-if TYPE_CHECKING:
-    from torch import nn
-
-    from hookline.tracker.handles import HookHandle
-
-__all__ = ["BackwardCall", "PendingInputs"]
+__all__ = ["BackwardCall", "PendingInputs", "SingleOpFallback"]
 
 _Tensor = torch.Tensor
 _queue_callback = torch.autograd.Variable._execution_engine.queue_callback
@@ -70,9 +58,14 @@ _set_versions = torch._C._autograd._unsafe_set_version_counter
 _functorch_active = torch._C._are_functorch_transforms_active
 _unwrap_if_dead = torch._C._functorch.unwrap_if_dead
 _is_compiling = torch.compiler.is_compiling
-# (conservative where torch lacks it: no single-op calls)
-_autocast_on = getattr(torch._C, "_is_any_autocast_enabled", lambda: True)
-_function_mode_on = getattr(torch._C, "_is_torch_function_mode_enabled", lambda: True)
+
+
+class SingleOpFallback(Protocol):
+    """Who is told when a single-op call cannot report its ``grad_in`` (the module's dispatcher,
+    which then sends the module's later calls through the identity node)."""
+
+    def single_op_failed(self, call: BackwardCall, why: str | None = None) -> None:
+        """Warn about ``call`` (``why``: the reason, or a default one) and stop single-op calls."""
 
 
 class _CallInputs(torch.autograd.Function):
@@ -121,124 +114,6 @@ def _watch(t: _Tensor, hook: Any) -> None:
 
 _HOOK_KEY = "hookline"  # RemovableHandle ids are ints
 _ONE = (0,)
-
-
-def _always(module: nn.Module, x: _Tensor) -> bool:
-    return True
-
-
-def _out_of_place(module: nn.Module, x: _Tensor) -> bool:
-    return not module.inplace
-
-
-def _matrix(module: nn.Module, x: _Tensor) -> bool:
-    return x.dim() == 2  # F.linear folds other shapes through views (several nodes)
-
-
-def _batched_zero_padded(dims: int) -> Any:
-    def check(module: nn.Module, x: _Tensor) -> bool:
-        # unbatched inputs go through unsqueeze/squeeze, other padding modes through F.pad, and
-        # padding="same" pads first when a kernel's reach is even
-        # (complex inputs: F.conv* adds up real convolutions)
-        return (
-            x.dim() == dims + 2 and module.padding_mode == "zeros" and module.padding != "same"
-            and not x.is_complex()
-        )
-
-    return check
-
-
-# Module classes whose forward is one autograd op on their single input, under a condition on
-# the module and input, and the names of that op's graph node (each checked by tests against
-# the identity node). Exact classes only: a subclass may override forward.
-_SINGLE_OP: dict[type, tuple[Any, tuple[str, ...]]] = {
-    _nn.Linear: (_matrix, ("AddmmBackward0", "MmBackward0")),
-    _nn.Conv1d: (_batched_zero_padded(1), ("ConvolutionBackward0",)),
-    _nn.Conv2d: (_batched_zero_padded(2), ("ConvolutionBackward0",)),
-    _nn.Conv3d: (_batched_zero_padded(3), ("ConvolutionBackward0",)),
-    _nn.LayerNorm: (_always, ("NativeLayerNormBackward0",)),
-    _nn.GELU: (_always, ("GeluBackward0",)),
-    _nn.Tanh: (_always, ("TanhBackward0",)),
-    _nn.Sigmoid: (_always, ("SigmoidBackward0",)),
-    _nn.ReLU: (_out_of_place, ("ReluBackward0",)),
-    _nn.SiLU: (_out_of_place, ("SiluBackward0",)),
-    _nn.LeakyReLU: (_out_of_place, ("LeakyReluBackward0",)),
-}
-_CLASS_FORWARD = {cls: cls.forward for cls in _SINGLE_OP}
-_F = _nn.functional
-_C_nn = torch._C._nn
-# What each class's forward looks up at call time (module attributes, down to the builtin): a
-# patched one (a "quick GELU") can make other nodes around the same input.
-_FUNCTIONS = {
-    cls: tuple((owner, name, getattr(owner, name)) for owner, name in entries)
-    for cls, entries in (
-        (_nn.Linear, ((_F, "linear"),)),
-        (_nn.Conv1d, ((_F, "conv1d"), (_nn.Conv1d, "_conv_forward"))),
-        (_nn.Conv2d, ((_F, "conv2d"), (_nn.Conv2d, "_conv_forward"))),
-        (_nn.Conv3d, ((_F, "conv3d"), (_nn.Conv3d, "_conv_forward"))),
-        (_nn.LayerNorm, ((_F, "layer_norm"), (torch, "layer_norm"))),
-        (_nn.GELU, ((_F, "gelu"),)),
-        (_nn.Tanh, ((torch, "tanh"),)),
-        (_nn.Sigmoid, ((torch, "sigmoid"),)),
-        (_nn.ReLU, ((_F, "relu"), (torch, "relu"))),
-        (_nn.SiLU, ((_F, "silu"), (_C_nn, "silu"))),
-        (_nn.LeakyReLU, ((_F, "leaky_relu"), (_C_nn, "leaky_relu"))),
-    )
-}
-_Parameter = _nn.Parameter
-_module_globals = _nn.modules.module
-_global_hooks = _module_globals._global_forward_hooks
-_global_backward_hooks = _module_globals._global_backward_hooks
-_global_backward_pre_hooks = _module_globals._global_backward_pre_hooks
-
-
-def single_op_input(module: nn.Module, inputs: Leaves) -> tuple[_Tensor, tuple[str, ...]] | None:
-    """The input of a call whose gradient can be read off the call's one op node, and the names
-    that node may have; None when the call must take the identity node.
-
-    The manager's pre-hook asks only when it is the module's last forward pre-hook, its forward
-    hook the module's only one, and all its forward hook functions passive (no other hook can
-    change the input or the output, or compute with the input).
-    """
-    rule = _SINGLE_OP.get(type(module))
-    if rule is None or len(inputs) != 1:
-        return None
-    x = inputs[0]
-    if (
-        type(x) is not _Tensor
-        or x.grad_fn is None  # leaves: their edge is the grad accumulator (kept simple)
-        or x.layout is not torch.strided
-        or x.is_nested
-        or _unwrap_if_dead(x) is not x  # escaped a torch.func transform: the op unwraps it
-        or _autocast_on()  # inserts a cast node before the op
-        or _function_mode_on()  # a TorchFunctionMode may run anything in place of the op
-        or _is_compiling()
-        or _global_hooks  # could replace the output before the manager's forward hook sees it
-        # torch's full backward hooks wrap the inputs after every pre-hook
-        or module._backward_hooks
-        or module._backward_pre_hooks
-        or _global_backward_hooks
-        or _global_backward_pre_hooks
-        or type(module).forward is not _CLASS_FORWARD[type(module)]
-        or "forward" in module.__dict__
-        or not rule[0](module, x)
-    ):
-        return None
-    for owner, name, function in _FUNCTIONS[type(module)]:
-        if getattr(owner, name) is not function:
-            return None
-    # A tensor-subclass weight (weight-only quantisation), as a parameter, a buffer or a plain
-    # attribute, turns the op into several.
-    for tensors in (module._parameters.values(), module._buffers.values()):
-        for p in tensors:
-            if p is not None and type(p) is not _Parameter and type(p) is not _Tensor:
-                return None
-    attrs = module.__dict__
-    for name in ("weight", "bias"):
-        p = attrs.get(name)
-        if p is not None and type(p) is not _Parameter and type(p) is not _Tensor:
-            return None
-    return x, rule[1]
 
 
 class _Rebase(torch.autograd.Function):
@@ -300,7 +175,7 @@ class BackwardCall:
 
     __slots__ = (
         "module", "handles", "in_index", "in_paths", "in_skipped", "out_paths", "out_skipped",
-        "expected", "grad_in", "grad_out", "seen", "task", "fired", "edge", "node_hook",
+        "expected", "grad_in", "grad_out", "seen", "task", "fired", "edge", "node_hook", "fallback",
     )
 
     def __init__(self, module: nn.Module, handles: tuple[HookHandle, ...], inputs: Leaves) -> None:
@@ -324,6 +199,7 @@ class BackwardCall:
         # allowed, until the forward hook found it on the op's node
         self.edge: tuple[Any, int, tuple[str, ...]] | None = None
         self.node_hook: Any = None  # single-op calls: the handle of the post-hook on the op node
+        self.fallback: SingleOpFallback | None = None  # single-op calls: told when they fail
 
     # --- forward ---------------------------------------------------------------------------
     def wrap_inputs(self, inputs: Leaves) -> tuple[Leaves, PendingInputs | None]:
@@ -340,9 +216,11 @@ class BackwardCall:
             new[i] = a
         return Leaves(new, inputs.paths, inputs.skipped), PendingInputs(self, originals, aliases)
 
-    def note_input(self, x: _Tensor, op_names: tuple[str, ...]) -> None:
-        """Single-op call: remember the input's gradient edge instead of wrapping the input."""
+    def note_input(self, x: _Tensor, op_names: tuple[str, ...], fallback: SingleOpFallback) -> None:
+        """Single-op call: remember the input's gradient edge instead of wrapping the input;
+        ``fallback`` is told should the op's node change during the backward pass."""
         self.edge = (x.grad_fn, x.output_nr, op_names)
+        self.fallback = fallback
 
     def attach_node(self, output: Any) -> bool:
         """Single-op call: take ``grad_in`` from a post-hook on the module's own output node.
@@ -382,7 +260,7 @@ class BackwardCall:
         # last may still change what reaches the input. Never report a stale value.
         if hooks is not None and next(reversed(dict.keys(hooks))) != self.node_hook.id:
             grad = None
-            self.handles[0]._slot.single_op_failed(
+            self.fallback.single_op_failed(  # type: ignore[union-attr]
                 self, "a post-hook was added to its op's node during the backward pass, after "
                 "hookline's, and may change what reaches the input"
             )

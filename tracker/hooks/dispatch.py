@@ -12,20 +12,17 @@ from __future__ import annotations
 import os
 import sys
 import warnings
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from hookline.storage.errors import HookOutputError
-from hookline.tracker.backward import BackwardCall, PendingInputs, single_op_input
-from hookline.tracker.handles import is_passive
-from hookline.tracker.pytree import Leaves, flatten, flatten_call, unflatten, unflatten_call
-
-if TYPE_CHECKING:
-    from torch.utils.hooks import RemovableHandle
-
-    from hookline.tracker.handles import HookHandle
+from hookline.tracker.hooks.backward import BackwardCall, PendingInputs
+from hookline.tracker.hooks.handles import HookHandle, is_passive
+from hookline.tracker.hooks.pytree import Leaves, flatten, flatten_call, unflatten, unflatten_call
+from hookline.tracker.hooks.single_op import single_op_input
 
 __all__ = ["ModuleHooks"]
 
@@ -149,7 +146,7 @@ class ModuleHooks:
                 single_op_input(module, leaves) if call.in_index and self._single_op and self._passive_fwd else None
             )
             if single is not None and self._outermost():
-                call.note_input(*single)  # its gradient comes from the op's node (no identity node)
+                call.note_input(*single, self)  # its gradient comes from the op's node (no identity node)
                 self._pending[-1] = call
             else:
                 leaves, pending = call.wrap_inputs(leaves)
@@ -252,7 +249,7 @@ def _skip_in_transform(handles: tuple[HookHandle, ...]) -> None:
         )
 
 
-_SKIP_DIRS = (os.path.dirname(torch.__file__), os.path.dirname(__file__))
+_SKIP_DIRS = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(__file__)))  # torch, hookline.tracker
 
 
 def _caller_level() -> int:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-import torch
 import torch.distributed as dist
 
 from hookline.storage.errors import InvalidArgumentError
@@ -110,11 +109,3 @@ def check_same_handles(info: DistInfo, handle_ids: Sequence[str]) -> None:
             "ranks registered different hook handles: " + "; ".join(diffs)
             + "; register the same recorder hooks on every rank"
         )
-
-
-def unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    """The user's module inside a DistributedDataParallel / DataParallel wrapper."""
-    wrappers = (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)
-    while isinstance(model, wrappers):
-        model = model.module
-    return model

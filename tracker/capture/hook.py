@@ -2,28 +2,28 @@
 
 A :class:`CaptureHook` is an ordinary callable registered through a
 :class:`~hookline.tracker.HookManager`. The manager tells it about every handle it is registered
-under (``_hookline_bind``), which is how the recorder learns handle ids, module names and types,
-and how it can deactivate its handles on steps that are not sampled.
+under (``_hookline_bind``, the manager's documented protocol), which is how its
+:class:`CaptureSink` (the recorder's bindings) learns handle ids, module names and types, and how
+it can suspend its handles on steps that are not sampled. Each firing goes to the sink with the
+:class:`Binding` of the handle that fired.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 
 from hookline.storage.errors import HookTypeError, InvalidArgumentError
 
-from .pytree import _index_paths
-from .stats import StatsSpec, compute_stats
+from hookline.tracker.hooks.handles import HookHandle, passive
 
-if TYPE_CHECKING:  # pragma: no cover
-    from .recorder import Recorder
+from .stats import StatsSpec
 
-__all__ = ["CaptureHook", "CaptureOptions", "KIND_CATEGORIES"]
+__all__ = ["Binding", "CaptureHook", "CaptureOptions", "CaptureSink", "Groups", "KIND_CATEGORIES"]
 
 #: Which manager categories each capture kind may be registered under.
 KIND_CATEGORIES = {
@@ -92,12 +92,39 @@ class CaptureOptions:
 
 
 @dataclass
-class _Binding:
-    """What the recorder knows about one handle its hook is registered under."""
+class Binding:
+    """One handle a capture hook is registered under, as its sink knows it.
 
-    handle: Any
+    Attributes:
+        handle: the manager's handle.
+        handle_id: its id, ``"<hook name>[<module name>]"`` (the writer handle's name).
+        category: the manager category it was registered as (``"forward_hook"``...).
+        options: the capture options of the hook.
+    """
+
+    handle: HookHandle
     handle_id: str
     category: str
+    options: CaptureOptions
+
+
+#: What one firing hands its sink: ``(group, leaves)`` pairs, the group being ``"inputs"``,
+#: ``"outputs"``, ``"grad_in"`` or ``"grad_out"``.
+Groups = tuple[tuple[str, Any], ...]
+
+
+class CaptureSink(Protocol):
+    """Where a :class:`CaptureHook` reports its handles and firings (the recorder's
+    :class:`~hookline.tracker.capture.bindings.HandleBindings`)."""
+
+    def bind(self, binding: Binding) -> None:
+        """A handle was registered; raising rolls the registration back."""
+
+    def unbind(self, binding: Binding) -> None:
+        """The handle was removed."""
+
+    def record(self, binding: Binding, groups: Groups, t0: int) -> None:
+        """The handle fired (``t0``: ``time.perf_counter_ns()`` when the hook was entered)."""
 
 
 class CaptureHook:
@@ -106,23 +133,22 @@ class CaptureHook:
     Its ``repr`` is its short name, so handle ids read ``outputs[blocks.0]``.
     """
 
-    #: It only copies what it sees (detached) and returns None: passive (see
-    #: :func:`hookline.tracker.passive`), which keeps backward hooks' single-op calls possible.
-    _hookline_passive = True
-
-    def __init__(self, recorder: Recorder, options: CaptureOptions, name: str | None = None) -> None:
-        self._recorder = recorder
+    def __init__(self, sink: CaptureSink, options: CaptureOptions, name: str | None = None) -> None:
+        self._sink = sink
         self.options = options
         self.name = name or options.default_name()
         # (id(module), category) -> binding: rec.inputs may be a pre hook and a forward hook
         # of the same module at once.
-        self._bindings: dict[tuple[int, str], _Binding] = {}
+        self._bindings: dict[tuple[int, str], Binding] = {}
+        # It only copies what it sees (detached) and returns None: passive, which keeps backward
+        # hooks' single-op calls possible.
+        passive(self)
 
     def __repr__(self) -> str:
         return self.name
 
     # --- manager protocol ---------------------------------------------------------------
-    def _hookline_bind(self, handle: Any) -> None:
+    def _hookline_bind(self, handle: HookHandle) -> None:
         """Called by HookManager for every handle this hook is registered under."""
         category = handle.hook_fn.category
         if category not in KIND_CATEGORIES[self.options.kind]:
@@ -141,17 +167,17 @@ class CaptureHook:
                 f"to record the module twice, register a second hook function: "
                 f"rec.hook({self.options.kind!r}, name='{self.name}2')"
             )
-        binding = _Binding(handle=handle, handle_id=handle.name, category=category)
+        binding = Binding(handle=handle, handle_id=handle.name, category=category, options=self.options)
         self._bindings[key] = binding
-        self._recorder._bind(self, binding)
+        self._sink.bind(binding)
 
-    def _hookline_unbind(self, handle: Any) -> None:
+    def _hookline_unbind(self, handle: HookHandle) -> None:
         """Called by HookManager when a handle of this hook is removed."""
         key = (id(handle.module), handle.hook_fn.category)
         binding = self._bindings.get(key)
         if binding is not None and binding.handle is handle:
             del self._bindings[key]
-            self._recorder._unbind(self, binding)
+            self._sink.unbind(binding)
 
     # --- hook entry points --------------------------------------------------------------
     def __call__(self, module: torch.nn.Module, *args: Any) -> None:
@@ -167,83 +193,12 @@ class CaptureHook:
                 f"HookManager ({type(module).__name__}); register it with "
                 f"HookManager.register_*_hook(rec.{self.options.kind}, ...)"
             )
+        groups: Groups
         if kind == "grads":
             groups = (("grad_in", args[0]), ("grad_out", args[1]))
         elif kind == "inputs":
             groups = (("inputs", args[0]),)
         else:
             groups = (("outputs", args[1]),)
-        self._recorder._capture(self, binding, groups, t0)
+        self._sink.record(binding, groups, t0)
         return None
-
-
-def field_tensors(
-    groups: tuple[tuple[str, Any], ...], options: CaptureOptions
-) -> tuple[list[str], list[torch.Tensor], list[str]]:
-    """Name and slice the tensors of one firing (stats mode: cast and summarise them).
-
-    Returns:
-        ``(names, tensors, skipped)``: field names (``outputs.0``, ``grad_in.1``...), the detached
-        tensors to copy (stats mode: one packed stats tensor per field; tensor mode: not yet cast,
-        the copy into the host block casts), and the paths of non-tensor leaves and ``None``
-        gradients that were not recorded.
-    """
-    names: list[str] = []
-    tensors: list[torch.Tensor] = []
-    skipped: list[str] = []
-    stats = options.mode == "stats"
-    k = options.batch_slice
-    for prefix, leaves in groups:
-        paths = getattr(leaves, "paths", None) or _index_paths(len(leaves))
-        group_names = _names(prefix, paths)
-        leaf_skipped = getattr(leaves, "skipped", ())
-        if leaf_skipped:
-            skipped.extend(f"{prefix}.{p}" for p in leaf_skipped)
-        for name, t in zip(group_names, leaves):
-            if t is None:
-                skipped.append(name)
-                continue
-            if t.layout is not _STRIDED or t.is_quantized or t.is_meta:
-                _refuse_layout(name, t)
-            if k is not None and t.dim() > 0:
-                t = t[:k]
-            t = t.detach()
-            if stats:
-                if options.dtype is not None and t.is_floating_point() and t.dtype != options.dtype:
-                    t = t.to(options.dtype)  # stats of what a tensor capture would store
-                t = compute_stats(t, options.stats or StatsSpec())
-            names.append(name)
-            tensors.append(t)
-    return names, tensors, skipped
-
-
-_STRIDED = torch.strided
-
-
-def _refuse_layout(name: str, t: torch.Tensor) -> None:
-    what = "quantized" if t.is_quantized else "meta" if t.is_meta else str(t.layout).removeprefix("torch.")
-    raise HookTypeError(
-        f"field {name!r} is a {what} tensor, which hookline cannot record (dense strided tensors "
-        f"only); convert it in the module (to_dense()/dequantize()) or do not hook this module"
-    )
-
-
-_NAME_CACHE: dict[tuple[str, tuple[str, ...]], tuple[str, ...]] = {}
-
-
-def _names(prefix: str, paths: tuple[str, ...]) -> tuple[str, ...]:
-    """Field names ``<prefix>.<path>`` (cached: a module's paths rarely change between calls)."""
-    key = (prefix, paths)
-    names = _NAME_CACHE.get(key)
-    if names is None:
-        names = tuple(f"{prefix}.{p}" for p in paths)
-        if len(set(names)) != len(names):
-            dup = next(n for n in names if names.count(n) > 1)
-            raise InvalidArgumentError(
-                f"two tensors of the {prefix} would both be stored as field {dup!r} (paths "
-                f"{[p for p in paths if f'{prefix}.{p}' == dup]}: a dict key containing '.' or a str "
-                f"key equal to an int key); rename one of the keys in the module's output"
-            )
-        if len(_NAME_CACHE) < 4096:  # bounded: paths of dict outputs could vary without end
-            _NAME_CACHE[key] = names
-    return names

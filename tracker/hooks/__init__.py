@@ -1,0 +1,1 @@
+"""Managed module hooks: registration by name, per-module dispatch, backward hooks, pytrees."""
