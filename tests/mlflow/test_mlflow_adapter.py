@@ -87,12 +87,17 @@ def test_parse_run_uri_forms_and_errors():
         parse_run_uri("not-a-run")
 
 
+def _python(code: str) -> str:
+    """Run ``code`` in a fresh interpreter; its stdout (it must exit 0)."""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
 def test_import_storage_does_not_import_mlflow():
     code = ("import sys, hookline.storage as s; a = s.MlflowAdapter('0123456789abcdef0123456789abcdef'); "
             "a.close(); print('mlflow' in sys.modules)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "False"
+    assert _python(code).strip() == "False"
 
 
 def test_one_run_id_rule():
@@ -112,9 +117,7 @@ def test_the_reader_opens_mlflow_runs_through_the_source_registry():
             "print(find_source('runs:/abc', None).__module__, find_source('runs/abc', None))\n"
             "print(find_source('0123456789abcdef0123456789abcdef', None), "
             "find_source('0123456789abcdef0123456789abcdef', 'sqlite:///x.db').__name__)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.split("\n")[:3] == ["False False", "hookline.storage.mlflow.source None", "None mlflow_source"]
+    assert _python(code).split("\n")[:3] == ["False False", "hookline.storage.mlflow.source None", "None mlflow_source"]
 
 
 def test_exit_callbacks_run_after_main_last_registered_first_before_atexit():
@@ -124,9 +127,7 @@ def test_exit_callbacks_run_after_main_last_registered_first_before_atexit():
             "at_main_exit(lambda: print('first', threading.current_thread().name))\n"
             "at_main_exit(lambda: print('second'))\n"
             "print('main done')\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.splitlines() == ["main done", "second", "first hookline-exit", "atexit"]
+    assert _python(code).splitlines() == ["main done", "second", "first hookline-exit", "atexit"]
 
 
 def test_bad_arguments_quote_the_value():
