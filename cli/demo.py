@@ -103,7 +103,7 @@ def _train(run_dir, lr, steps, every, *, mlflow_run_id, tracking_uri, advance, H
 
 def _mlflow_setup(tracking_uri: str | None) -> tuple[Any, str, str]:
     quiet_mlflow_logs()
-    from hookline.storage.mlflow_adapter import connect
+    from hookline.storage.mlflow.client import connect
 
     client = connect(tracking_uri)
     exp = client.get_experiment_by_name(EXPERIMENT)

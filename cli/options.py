@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 import sys
 from contextlib import contextmanager
 from pathlib import Path
@@ -14,8 +13,6 @@ from typing import Any, Callable, Iterator
 import click
 
 CONTEXT_SETTINGS = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
-
-_RUN_ID = re.compile(r"^[0-9a-f]{32}$")
 
 
 # --------------------------------------------------------------------------------------------
@@ -56,11 +53,14 @@ def quiet_mlflow_logs() -> None:
 def run_source(run: str) -> str:
     """Normalise a RUN argument: a directory, ``runs:/ID``/``mlflow-artifacts:`` URI, or a bare
     MLflow run id (turned into ``runs:/ID``)."""
+    from hookline.storage.keys import is_mlflow_run_id
+    from hookline.storage.mlflow.uri import URI_PREFIXES
+
     if os.path.exists(run):
         return run
-    if run.startswith(("runs:/", "mlflow-artifacts:")):
+    if run.startswith(URI_PREFIXES):
         return run
-    if _RUN_ID.fullmatch(run):
+    if is_mlflow_run_id(run):
         return f"runs:/{run}"
     raise click.ClickException(
         f"run {run!r} not found: not a run directory, a runs:/<id> URI or an MLflow run id"
@@ -189,18 +189,6 @@ def fmt_num(x: Any, digits: int = 4) -> str:
     if math.isinf(f):
         return "inf" if f > 0 else "-inf"
     return f"{f:.{digits}g}"
-
-
-def fmt_steps(steps: Any) -> str:
-    """``0..90 (10)`` style summary of a step array."""
-    import numpy as np
-
-    s = np.unique(np.asarray(steps))
-    if s.size == 0:
-        return "-"
-    if s.size == 1:
-        return str(int(s[0]))
-    return f"{int(s[0])}..{int(s[-1])} ({s.size})"
 
 
 @contextmanager

@@ -8,6 +8,8 @@ from typing import Any
 
 import click
 
+from hookline.storage.mlflow.keys import VERSION_TAG
+
 from .options import (
     CONTEXT_SETTINGS,
     clean_json,
@@ -21,8 +23,7 @@ from .options import (
     tracking_uri_option,
 )
 
-#: Every run the MLflow adapter synced carries this run tag (the hookline version).
-VERSION_TAG = "hookline.version"
+#: Every run the MLflow adapter synced carries the hookline.version run tag.
 BASE_FILTER = f"tags.`{VERSION_TAG}` LIKE '%'"
 
 _HANDLES = re.compile(r"^hookline\.handles(?:-rank\d+)?$")
@@ -95,10 +96,24 @@ def runs(experiment: str | None, filter_string: str | None, max_results: int, tr
       hookline runs --tracking-uri http://127.0.0.1:5000
     """
     quiet_mlflow_logs()
-    from hookline.storage.errors import TrackingError, UnknownNameError
-    from hookline.storage.mlflow_adapter import connect
+    from hookline.storage.mlflow.client import connect
 
     client = connect(tracking_uri, existing=True)
+    uri = client.tracking_uri
+    filt = BASE_FILTER + (f" AND {filter_string}" if filter_string else "")
+    found, experiments = _search(client, experiment, filter_string, filt, max_results)
+    infos = [run_info(r, experiments) for r in found]
+    if as_json:
+        echo_json(clean_json({"tracking_uri": uri, "filter": filt, "runs": infos}))
+        return
+    _print_runs(infos, experiment, uri, filt)
+
+
+def _search(client: Any, experiment: str | None, filter_string: str | None, filt: str,
+            max_results: int) -> tuple[list[Any], dict[str, str]]:
+    """The runs that match ``filt`` (newest first) and the experiments searched (id -> name)."""
+    from hookline.storage.errors import TrackingError, UnknownNameError
+
     uri = client.tracking_uri
     try:
         if experiment is not None:
@@ -113,7 +128,6 @@ def runs(experiment: str | None, filter_string: str | None, max_results: int, tr
         else:
             exps = list(client.search_experiments())
         experiments = {e.experiment_id: e.name for e in exps}
-        filt = BASE_FILTER + (f" AND {filter_string}" if filter_string else "")
         found = client.search_runs(list(experiments), filter_string=filt, max_results=max_results,
                                    order_by=["attributes.start_time DESC"]) if experiments else []
     except UnknownNameError:
@@ -123,10 +137,11 @@ def runs(experiment: str | None, filter_string: str | None, max_results: int, tr
         if filter_string and getattr(e, "error_code", "") == "INVALID_PARAMETER_VALUE":
             raise click.ClickException(f"bad --filter {filter_string!r}: {msg[:300]}") from e
         raise TrackingError(f"searching runs at {uri} failed: {msg[:300]}") from e
-    infos = [run_info(r, experiments) for r in found]
-    if as_json:
-        echo_json(clean_json({"tracking_uri": uri, "filter": filt, "runs": infos}))
-        return
+    return found, experiments
+
+
+def _print_runs(infos: list[dict[str, Any]], experiment: str | None, uri: str, filt: str) -> None:
+    """The runs table (or a hint when there are none)."""
     c = console()
     if not infos:
         where = f"experiment {experiment!r}" if experiment else "any experiment"

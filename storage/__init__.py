@@ -26,6 +26,12 @@ from .errors import (
     WriterClosedError,
 )
 from .keys import handle_key
+from .mlflow.uri import is_mlflow_reference
+from .sources import register_source
+
+# open_run("runs:/<id>") reads MLflow runs through the MLflow source, imported on first use (the
+# reader itself knows no remote store).
+register_source(is_mlflow_reference, "hookline.storage.mlflow.source:mlflow_source")
 
 # name -> submodule; resolved on first access so that `import hookline.storage` stays cheap and
 # never imports mlflow (or torch).
@@ -42,11 +48,11 @@ _LAZY = {
     "HandleStats": "writer",
     "LocalSource": "reader",
     "FORMAT_VERSION": "format",
-    "MlflowAdapter": "mlflow_adapter",
-    "MlflowSource": "mlflow_adapter",
-    "SyncReport": "mlflow_adapter",
-    "mlflow_source": "mlflow_adapter",
-    "sync": "mlflow_adapter",
+    "MlflowAdapter": "mlflow.adapter",
+    "MlflowSource": "mlflow.source",
+    "SyncReport": "mlflow.report",
+    "mlflow_source": "mlflow.source",
+    "sync": "mlflow.sync",
     "compare_runs": "compare",
     "iter_compare": "compare",
     "CompareResult": "compare",

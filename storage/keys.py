@@ -1,4 +1,4 @@
-"""Collision-free mapping from hook handle ids to file names and MLflow keys.
+"""Collision-free mapping from hook handle ids to file names and MLflow keys, and the MLflow run-id rule.
 
 A handle id reads ``"<hook_fn_name>[<module_name>]"`` (e.g. ``outputs[blocks.0.mlp]``). Its
 *key* is used as the file name inside a run directory (``<key>.h5``), as the MLflow artifact
@@ -18,6 +18,9 @@ path (``hookline/<key>.h5``) and inside MLflow tag and metric keys. MLflow keys 
   hex digit, so hashed keys cannot collide with unhashed ones.
 
 The original id is always stored in the file attributes, the manifest and the MLflow tag values.
+
+:func:`is_mlflow_run_id` is the one rule for telling a bare MLflow run id from a path or a name
+(the reader, the CLI and MLflow URI parsing all use it).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from __future__ import annotations
 import hashlib
 import re
 
-__all__ = ["handle_key", "MAX_KEY_LEN"]
+__all__ = ["handle_key", "escape_part", "is_mlflow_run_id", "MAX_KEY_LEN", "MLFLOW_RUN_ID_PATTERN"]
 
 #: Longest key; leaves room for prefixes such as ``hookline.`` and ``.grad_out.0.norm_max``
 #: inside MLflow's 250-character key limit.
@@ -34,8 +37,38 @@ MAX_KEY_LEN = 160
 _SAFE = re.compile(r"[A-Za-z0-9_.]")
 _STRUCTURED = re.compile(r"^(?P<fn>.+)\[(?P<mod>.*)\]$", re.DOTALL)
 
+#: A run id as MLflow generates it (``uuid.uuid4().hex``): 32 lower-case hex digits. A regular
+#: expression source, for patterns that embed a run id (``mlflow-artifacts:`` URIs).
+MLFLOW_RUN_ID_PATTERN = "[0-9a-f]{32}"
+_MLFLOW_RUN_ID = re.compile(MLFLOW_RUN_ID_PATTERN)
 
-def _esc(part: str) -> str:
+
+def is_mlflow_run_id(text: str) -> bool:
+    """Whether ``text`` is shaped like a run id that MLflow generates (32 lower-case hex digits).
+
+    This decides when a bare argument means an MLflow run rather than a path (``open_run``,
+    ``hookline show ID``, ``parse_run_uri``). MLflow itself checks ids on first request.
+
+    Example:
+        >>> is_mlflow_run_id("0a1b2c3d4e5f60718293a4b5c6d7e8f9")
+        True
+        >>> is_mlflow_run_id("runs/baseline")
+        False
+    """
+    return isinstance(text, str) and _MLFLOW_RUN_ID.fullmatch(text) is not None
+
+
+def escape_part(part: str) -> str:
+    """One part of a handle id (or a field or tag name) escaped to ``[A-Za-z0-9_.-]``, injectively.
+
+    Args:
+        part: any string.
+
+    Returns:
+        ``part`` with every character outside ``[A-Za-z0-9_.]`` written as ``-xx`` per UTF-8
+        byte; ``""`` becomes ``-e`` and an all-dots part gets a leading ``-d`` (see the module
+        docstring).
+    """
     if part == "":
         return "-e"
     out = []
@@ -71,7 +104,7 @@ def handle_key(handle_id: str) -> str:
 
         raise HookTypeError(f"handle id must be a str, got {handle_id!r} ({type(handle_id).__name__})")
     m = _STRUCTURED.match(handle_id)
-    key = _esc(m["fn"]) + "/" + _esc(m["mod"]) if m else _esc(handle_id)
+    key = escape_part(m["fn"]) + "/" + escape_part(m["mod"]) if m else escape_part(handle_id)
     if len(key) <= MAX_KEY_LEN:
         return key
     cut = MAX_KEY_LEN - 18

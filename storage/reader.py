@@ -21,7 +21,6 @@ so splitting them would pass private names between modules.)
 from __future__ import annotations
 
 import os
-import re
 import warnings
 from functools import cached_property
 from pathlib import Path
@@ -35,11 +34,10 @@ from ._h5read import FileLRU, Part, PartField, open_part
 from ._parts import Discovery, discover_files
 from .errors import FormatError, HookTypeError, InvalidArgumentError, RecordIndexError, StorageError, UnknownNameError
 from .format import MANIFEST_RE, check_manifest, rank_suffix, read_manifest
+from .sources import find_source
 from .synthesise import synthesise_manifests
 
 __all__ = ["open_run", "Run", "Handle", "Field", "LocalSource"]
-
-_RUN_ID = re.compile(r"[0-9a-f]{32}")
 
 
 def _names_hint(names: Sequence[str], limit: int = 30) -> str:
@@ -612,13 +610,9 @@ def open_run(path_or_uri: str | os.PathLike[str], *, tracking_uri: str | None = 
     s = os.fspath(path_or_uri)
     if isinstance(s, bytes):
         s = s.decode()
-    is_mlflow = s.startswith("runs:/") or s.startswith("mlflow-artifacts:")
-    if not is_mlflow and tracking_uri is not None and _RUN_ID.fullmatch(s) and not Path(s).exists():
-        is_mlflow = True
-    if is_mlflow:
-        from .mlflow_adapter import mlflow_source
-
-        return Run(mlflow_source(s, tracking_uri=tracking_uri, cache_dir=cache_dir), s, max_open_files)
+    remote = find_source(s, tracking_uri)  # runs:/... (registered by hookline.storage)
+    if remote is not None:
+        return Run(remote(s, tracking_uri=tracking_uri, cache_dir=cache_dir), s, max_open_files)
     p = Path(s)
     if p.is_file() and MANIFEST_RE.fullmatch(p.name):
         p = p.parent

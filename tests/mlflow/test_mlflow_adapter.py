@@ -15,15 +15,10 @@ import pytest
 from _mlflow_support import LINEAR, RELU, HandleSpec, append_records, build_run, sha256
 
 from hookline.storage import InvalidArgumentError, TrackingError, TrackingUnreachableError, UnknownNameError
-from hookline.storage.mlflow_adapter import (
-    MlflowAdapter,
-    check_reachable,
-    metric_key,
-    mlflow_source,
-    parse_run_uri,
-    sync,
-    tag_key,
-)
+from hookline.storage import MlflowAdapter, mlflow_source, sync
+from hookline.storage.mlflow.client import check_reachable
+from hookline.storage.mlflow.keys import metric_key, tag_key
+from hookline.storage.mlflow.uri import parse_run_uri
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -92,12 +87,47 @@ def test_parse_run_uri_forms_and_errors():
         parse_run_uri("not-a-run")
 
 
+def _python(code: str) -> str:
+    """Run ``code`` in a fresh interpreter; its stdout (it must exit 0)."""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
 def test_import_storage_does_not_import_mlflow():
     code = ("import sys, hookline.storage as s; a = s.MlflowAdapter('0123456789abcdef0123456789abcdef'); "
             "a.close(); print('mlflow' in sys.modules)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "False"
+    assert _python(code).strip() == "False"
+
+
+def test_one_run_id_rule():
+    from hookline.storage.keys import is_mlflow_run_id
+
+    assert is_mlflow_run_id("0123456789abcdef0123456789abcdef")
+    for text in ("0123456789ABCDEF0123456789ABCDEF", "0123456789abcdef0123456789abcde", "runs/baseline",
+                 "0123456789abcdef0123456789abcdef\n", "", None, 123):
+        assert not is_mlflow_run_id(text), text
+
+
+def test_the_reader_opens_mlflow_runs_through_the_source_registry():
+    """The reader imports no MLflow code; ``hookline.storage`` registers the MLflow source."""
+    code = ("import sys; from hookline.storage.reader import open_run\n"
+            "print('hookline.storage.mlflow.source' in sys.modules, 'mlflow' in sys.modules)\n"
+            "from hookline.storage.sources import find_source\n"
+            "print(find_source('runs:/abc', None).__module__, find_source('runs/abc', None))\n"
+            "print(find_source('0123456789abcdef0123456789abcdef', None), "
+            "find_source('0123456789abcdef0123456789abcdef', 'sqlite:///x.db').__name__)")
+    assert _python(code).split("\n")[:3] == ["False False", "hookline.storage.mlflow.source None", "None mlflow_source"]
+
+
+def test_exit_callbacks_run_after_main_last_registered_first_before_atexit():
+    code = ("import atexit, threading\n"
+            "from hookline.storage.mlflow.shutdown import at_main_exit\n"
+            "atexit.register(lambda: print('atexit'))\n"
+            "at_main_exit(lambda: print('first', threading.current_thread().name))\n"
+            "at_main_exit(lambda: print('second'))\n"
+            "print('main done')\n")
+    assert _python(code).splitlines() == ["main done", "second", "first hookline-exit", "atexit"]
 
 
 def test_bad_arguments_quote_the_value():

@@ -149,11 +149,11 @@ class Recorder:
         self._atexit = weak_closer(self, _log_exit_error)
         self._exit_timeout: float | None = None  # the MLflow upload's limit when closed at exit
         if self._mlflow is not None:
-            from hookline.storage.mlflow_adapter import at_exit_before_executors
+            from hookline.storage.mlflow.shutdown import at_main_exit
 
             # Before the adapters' own exit hook (which would find the writer still open and
-            # upload no files) and while thread pools still work.
-            at_exit_before_executors(_exit_closer(self))
+            # upload no files) and while threads can still be started.
+            at_main_exit(_exit_closer(self))
         else:
             atexit.register(self._atexit)
 
@@ -347,11 +347,11 @@ class Recorder:
 
 
 def _exit_closer(rec: Recorder) -> Any:
-    """The exit hook of a recorder with MLflow (threading's exit hooks run before Python joins
-    the threads that are still running). While another non-daemon thread runs (training in a
-    thread while the main one returned), closing now would cut it off: the recorder is closed
-    after that thread, by ``atexit`` (its files complete; MLflow may be gone by then:
-    ``hookline sync`` uploads later). The MLflow upload waits at most
+    """The exit hook of a recorder with MLflow (``at_main_exit``: it runs once the main thread
+    has finished, while Python still waits for the other threads). While another non-daemon
+    thread runs (training in a thread while the main one returned), closing now would cut it
+    off: the recorder is closed after that thread, by ``atexit`` (its files complete; MLflow
+    may be gone by then: ``hookline sync`` uploads later). The MLflow upload waits at most
     ``$HOOKLINE_MLFLOW_EXIT_TIMEOUT`` seconds (default 120), as the adapters' own exit hook."""
     ref = weakref.ref(rec)
     closer = rec._atexit
@@ -364,7 +364,7 @@ def _exit_closer(rec: Recorder) -> Any:
         if any(t.is_alive() and not t.daemon and t is not me for t in threading.enumerate()):
             atexit.register(closer)
             return
-        from hookline.storage.mlflow_adapter import exit_timeout
+        from hookline.storage.mlflow.shutdown import exit_timeout
 
         r._exit_timeout = exit_timeout()
         closer()

@@ -1,0 +1,158 @@
+"""What a local run directory holds for an upload: its manifests, file digests and norm series."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..errors import FormatError, UnknownNameError
+from ..format import MANIFEST_RE
+
+__all__ = ["NormSeries", "load_manifests", "created_ms", "file_digest", "norm_fields", "read_series"]
+
+#: ``mode="stats"`` fields other than ``.norm`` get no metric series of their own.
+_STATS_SUFFIXES = (".mean", ".std", ".min", ".max", ".absmax", ".hist")
+
+
+def load_manifests(run_dir: Path, rank: int | None) -> list[tuple[Path, dict]]:
+    """``(path, manifest)`` of every manifest of ``run_dir`` (only ``rank``'s, else the unranked
+    one, when ``rank`` is given), in name order.
+
+    Raises:
+        UnknownNameError: ``run_dir`` does not exist.
+        FormatError: no manifest, or one that is not a JSON object with a ``handles`` mapping.
+    """
+    if not run_dir.is_dir():
+        raise UnknownNameError(
+            f"run directory {str(run_dir)!r} does not exist: pass the directory a Recorder/RunWriter wrote"
+        )
+    found = sorted(p for p in run_dir.iterdir() if MANIFEST_RE.fullmatch(p.name))
+    if rank is not None:
+        ranked = [p for p in found if p.name == f"manifest.rank{int(rank)}.json"]
+        found = ranked or [p for p in found if p.name == "manifest.json"]
+    if not found:
+        raise FormatError(
+            f"{str(run_dir)!r} has no manifest.json: it is not a hookline run directory "
+            "(run `hookline verify` on it, or pass the directory a Recorder wrote)"
+        )
+    out = []
+    for p in found:
+        try:
+            man = json.loads(p.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as e:
+            raise FormatError(f"manifest {str(p)!r} is not readable JSON ({e}); run `hookline verify` on the run") from e
+        if not isinstance(man, dict) or not isinstance(man.get("handles", {}), dict):
+            raise FormatError(f"manifest {str(p)!r} has no 'handles' mapping; run `hookline verify` on the run")
+        out.append((p, man))
+    return out
+
+
+def created_ms(man: dict) -> int:
+    """The manifest's creation time in ms since the epoch (0 when unknown): the base of the
+    deterministic metric timestamps."""
+    created = man.get("created")
+    if isinstance(created, str):
+        try:
+            return int(_dt.datetime.fromisoformat(created).timestamp() * 1000)
+        except ValueError:
+            pass
+    return 0
+
+
+def file_digest(path: Path, cache: dict[Path, tuple[tuple[int, int], str]]) -> str:
+    """``"<size>:<sha256>"`` of a file, memoised in ``cache`` on (size, mtime_ns)."""
+    st = path.stat()
+    sig = (st.st_size, st.st_mtime_ns)
+    hit = cache.get(path)
+    if hit is not None and hit[0] == sig:
+        return hit[1]
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    digest = f"{st.st_size}:{h.hexdigest()}"
+    cache[path] = (sig, digest)
+    return digest
+
+
+def norm_fields(fields: dict[str, Any]) -> list[tuple[str, str, bool]]:
+    """``(field, metric_base, already_a_norm)`` for the fields that get a norm series.
+
+    ``fields`` is a manifest handle entry's ``fields`` (name -> ``{"shape": ...}``). A stats-mode
+    norm is a scalar per record named ``<field>.norm``; a tensor field that merely has that name
+    (a module returning ``{"norm": tensor}``) gets its own L2 norm like any other.
+    """
+
+    def stats_norm(name: str) -> bool:
+        info = fields.get(name)
+        return name.endswith(".norm") and isinstance(info, dict) and info.get("shape") == []
+
+    out = []
+    for f in fields:
+        if stats_norm(f):  # mode="stats": the field *is* the per-record L2 norm
+            out.append((f, f[: -len(".norm")], True))
+        elif f.endswith(_STATS_SUFFIXES) and stats_norm(f.rsplit(".", 1)[0] + ".norm"):
+            continue  # other summaries of a stats-mode field
+        else:
+            out.append((f, f, False))
+    return out
+
+
+@dataclass
+class NormSeries:
+    """The norms of one field: every entry, and the new ones (handle record index >= the watermark).
+
+    Attributes:
+        base: metric base name (the field name, without ``.norm`` for stats-mode fields).
+        records: handle record index of each new entry (-> deterministic timestamps).
+        steps: training step of each new entry.
+        norms: L2 norm of each new entry.
+        all_norms: every entry's norm (for the summaries).
+        all_steps: every entry's step.
+        all_records: every entry's handle record index.
+    """
+
+    base: str
+    records: np.ndarray
+    steps: np.ndarray
+    norms: np.ndarray
+    all_norms: np.ndarray
+    all_steps: np.ndarray
+    all_records: np.ndarray
+
+
+def read_series(run: Any, handle_id: str, rank: int | None, fields: list[tuple[str, str, bool]],
+                start: int) -> tuple[int, list[NormSeries]]:
+    """Handle record count and the per-field norm series of records ``start:``.
+
+    Args:
+        run: the run directory opened with the storage reader.
+        handle_id: the handle.
+        rank: the manifest's rank (None: unranked).
+        fields: :func:`norm_fields` of the handle.
+        start: the watermark: records already logged.
+    """
+    h = run.handle(handle_id, rank=rank) if rank is not None else run.handle(handle_id)
+    n = len(h)
+    out = []
+    present = set(h.fields)
+    for name, base, is_norm in fields:
+        if name not in present:
+            continue
+        fld = h[name]
+        recs = np.asarray(fld.records, dtype=np.int64)
+        if is_norm:  # mode="stats": the stored value is the norm
+            vals = np.abs(np.asarray(fld.read(), dtype=np.float64).reshape(len(fld), -1)[:, 0]) if len(fld) \
+                else np.zeros(0)
+        else:
+            vals = np.asarray(fld.norms(), dtype=np.float64)
+        steps = np.asarray(fld.steps, dtype=np.int64)
+        new = recs >= start
+        out.append(NormSeries(base, recs[new], steps[new], vals[new], vals, steps, recs))
+    return n, out

@@ -1,0 +1,496 @@
+"""One sync pass of a run directory into an MLflow run: handle files, norm metrics, tags, manifests.
+
+What a pass does (:meth:`Uploader.run`), each step a method of :class:`_Pass`:
+
+1. reads the run directory's manifest(s) (``manifest.json`` / ``manifest.rank<r>.json``) and
+   checks that the MLflow run holds no other run directory;
+2. starts uploading every handle file whose size/SHA-256 differs from the ``.../synced`` tag of
+   the run, as artifact ``hookline/<file>`` (``<file>`` is the manifest's relative path, i.e.
+   ``<key>.h5`` or ``<key>.rank<r>.h5``), several at once on plain threads;
+3. meanwhile logs the per-record L2 norms of every field as metric series (step = training step)
+   for the records not yet logged, plus ``norm_max``/``norm_last`` summary metrics, with
+   ``log_batch``;
+4. logs the per-handle and run-level tags with ``log_batch``;
+5. uploads the manifest(s) last, as ``hookline/manifest.json`` / ``hookline/manifest.rank<r>.json``.
+
+Idempotence: files are compared by size + SHA-256 against the ``synced`` tags and skipped when
+equal; metric points carry deterministic timestamps (manifest creation time + record index), so a
+repeated point is identical and MLflow's SQL store drops it instead of storing a duplicate; the
+``records`` tag is the watermark of records already logged, so a repeat pass does not even send
+them again.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import logging
+import re
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..errors import DuplicateNameError, FormatError, HookTypeError, InvalidArgumentError, TrackingError
+from ..errors import TrackingUnreachableError, UnknownNameError
+from ..format import run_identity
+from .client import check_reachable, connect, get_run, short_error, tracking_uri_of
+from .keys import (
+    ARTIFACT_ROOT,
+    FORMAT_VERSION_TAG,
+    VERSION_TAG,
+    cut_tag_value,
+    handles_tag,
+    manifest_synced_tag,
+    metric_key,
+    module_type_tag,
+    origin_tag,
+    tag_key,
+)
+from .report import SyncReport
+from .rundir import NormSeries, created_ms, file_digest, load_manifests, norm_fields, read_series
+
+__all__ = ["PassMode", "Uploader"]
+
+log = logging.getLogger("hookline.mlflow")
+
+
+class PassMode(enum.IntEnum):
+    """What a pass does; each mode does what the smaller ones do (pending passes merge to the largest)."""
+
+    #: norm metrics and tags only (mid-run: the handle files are still growing segments)
+    METRICS = 0
+    #: also the handle files that are final already (the others are listed as pending)
+    FILES = 1
+    #: also every handle file (a missing one is an error) and then the manifests
+    FINAL = 2
+
+
+@dataclass
+class _HandlePlan:
+    """One handle of one manifest, as a pass sees it.
+
+    Attributes:
+        manifest: the manifest that lists the handle.
+        rank: the rank in the handle's tag and metric keys (the manifest's, else the uploader's).
+        handle_id: the handle id.
+        entry: the manifest's entry of the handle.
+    """
+
+    manifest: dict
+    rank: int | None
+    handle_id: str
+    entry: dict
+
+
+@dataclass
+class _FileUpload:
+    """One handle file to upload.
+
+    Attributes:
+        artifact: its artifact path (``hookline/<file>``).
+        local: the local file.
+        digest: its ``<size>:<sha256>``.
+        synced_tag: the tag that records the digest once uploaded.
+    """
+
+    artifact: str
+    local: Path
+    digest: str
+    synced_tag: str
+
+
+class Uploader:
+    """Sync passes of run directories into one MLflow run, one pass at a time.
+
+    Args:
+        run_id: the MLflow run (it must exist; hookline never creates or ends runs).
+        rank: distributed rank; when given, only this rank's manifest is synced and tag/metric
+            keys carry ``-rank<r>``.
+        tracking_uri: tracking server/store, connected on first use.
+        existing_store: the store must exist already (see :func:`~.client.connect`).
+        max_workers: parallel artifact uploads.
+
+    Raises:
+        HookTypeError: ``run_id`` is not a str.
+        InvalidArgumentError: for a malformed run id, a negative rank or ``max_workers < 1``.
+    """
+
+    def __init__(self, run_id: str, *, rank: int | None = None, tracking_uri: str | None = None,
+                 existing_store: bool = False, max_workers: int = 4) -> None:
+        if not isinstance(run_id, str):
+            raise HookTypeError(
+                f"MLflow run id must be a str (the 32-hex id of an existing run), got "
+                f"{type(run_id).__name__} {run_id!r:.60}"
+            )
+        # Stores may use other id formats: refuse only what can never be an id (MLflow checks the rest).
+        if not re.fullmatch(r"[\w\-]+", run_id):
+            raise InvalidArgumentError(
+                f"MLflow run id {run_id!r} is not valid: pass the 32-hex id of an existing run "
+                "(e.g. mlflow.start_run().info.run_id or `mlflow runs list`)"
+            )
+        if rank is not None and (not isinstance(rank, int) or rank < 0):
+            raise InvalidArgumentError(f"rank {rank!r} is not valid: pass a non-negative int or None")
+        if max_workers < 1:
+            raise InvalidArgumentError(f"max_workers {max_workers!r} must be >= 1")
+        self.run_id = run_id
+        self.rank = rank
+        self.tracking_uri = tracking_uri
+        self.max_workers = int(max_workers)
+        self._existing_store = existing_store
+        self._client: Any = None
+        self._client_lock = threading.Lock()
+        self._pass_lock = threading.Lock()
+        self._hashes: dict[Path, tuple[tuple[int, int], str]] = {}  # file digests, by (size, mtime)
+
+    @property
+    def client(self) -> Any:
+        """The :class:`mlflow.MlflowClient` (connected on first use)."""
+        with self._client_lock:
+            if self._client is None:
+                self._client = connect(self.tracking_uri, existing=self._existing_store)
+            return self._client
+
+    def run(self, run_dir: Path, mode: PassMode) -> SyncReport:
+        """One pass over ``run_dir`` (after a pass already running finished).
+
+        Failures of single requests and uploads, an unreachable server included, are collected in
+        the returned report (and logged as a warning); the next pass retries what is missing.
+
+        Raises:
+            UnknownNameError: the run or the run directory does not exist (or the run is deleted).
+            FormatError: the run directory has no readable manifest.
+            DuplicateNameError: the MLflow run holds another run directory.
+        """
+        with self._pass_lock:
+            t0 = time.perf_counter()
+            report = SyncReport(self.run_id)
+            try:
+                _Pass(self, run_dir, mode, report, self._hashes).execute()
+            except (UnknownNameError, FormatError, DuplicateNameError):
+                raise
+            except Exception as e:  # noqa: BLE001 - collected into the report
+                report.errors.append(short_error(e) if isinstance(e, TrackingError) else f"{run_dir}: {short_error(e)}")
+                report.unreachable = report.unreachable or isinstance(e, TrackingUnreachableError)
+            report.seconds = time.perf_counter() - t0
+            if report.errors:
+                log.warning("hookline: MLflow sync of %s to run %s: %s", run_dir, self.run_id, "; ".join(report.errors))
+            return report
+
+
+class _Pass:
+    """The state of one pass: what the MLflow run holds now, and the steps that bring it up to date."""
+
+    def __init__(self, up: Uploader, run_dir: Path, mode: PassMode, report: SyncReport,
+                 hashes: dict[Path, tuple[tuple[int, int], str]]) -> None:
+        self.run_id = up.run_id
+        self.rank = up.rank
+        self.up = up
+        self.run_dir = run_dir
+        self.mode = mode
+        self.report = report
+        self.hashes = hashes
+        self.client: Any = None
+        self.tags_now: dict[str, str] = {}
+        self.manifests: list[tuple[Path, dict]] = []
+        self.plans: list[_HandlePlan] = []
+        self._run: Any = None  # the run directory opened with the storage reader, on first need
+
+    def execute(self) -> None:
+        """Run the steps (module docstring) in order."""
+        self.manifests = load_manifests(self.run_dir, self.rank)
+        self.client = self.up.client
+        check_reachable(tracking_uri_of(self.client))  # fail in seconds, not after MLflow's minutes of retries
+        self.tags_now = dict(get_run(self.client, self.run_id).data.tags)
+        origin = _check_origin(self.run_id, self.run_dir, self.manifests, self.tags_now)
+        self.plans = self._plan_handles()
+        uploads = self._files_to_upload()
+        running = _ParallelUploads(self.client, self.run_id, uploads, self.up.max_workers)
+        try:
+            tags, type_tags = self._log_norms()
+        finally:
+            if self._run is not None:
+                self._run.close()
+            results = running.wait()
+        tags.update(self._note_uploads(uploads, results))
+        tags.update(self._run_tags(origin, type_tags))
+        self._send_tags(tags)
+        if self.mode != PassMode.METRICS and not self.report.errors and not self.report.pending:
+            self._upload_manifests()  # last: after the files they describe
+
+    # -- step 1: handles and files ---------------------------------------------------------------
+
+    def _plan_handles(self) -> list[_HandlePlan]:
+        plans = []
+        for _mpath, man in self.manifests:
+            rank = man.get("rank") if man.get("rank") is not None else self.rank
+            plans.extend(_HandlePlan(man, rank, hid, entry) for hid, entry in sorted(man.get("handles", {}).items()))
+        return plans
+
+    def _files_to_upload(self) -> list[_FileUpload]:
+        """The handle files whose digest differs from their ``synced`` tag; the others are
+        reported as skipped, pending (mid-run) or missing (final pass)."""
+        uploads: list[_FileUpload] = []
+        if self.mode == PassMode.METRICS:
+            return uploads
+        for plan in self.plans:
+            rel = plan.entry.get("file")
+            if not rel:
+                continue
+            local = self.run_dir / rel
+            apath = f"{ARTIFACT_ROOT}/{Path(rel).as_posix()}"
+            if not local.is_file():
+                if self.mode == PassMode.FINAL:
+                    self.report.errors.append(
+                        f"handle {plan.handle_id!r}: file {str(local)!r} is missing (the writer is still running, or "
+                        "was killed: close it, or run `hookline verify --repair` on the run directory, then sync again)")
+                else:
+                    self.report.pending.append(apath)
+                continue
+            digest = file_digest(local, self.hashes)
+            skey = tag_key(plan.handle_id, "synced", rank=plan.rank)
+            if self.tags_now.get(skey) == digest:
+                self.report.skipped.append(apath)
+            else:
+                uploads.append(_FileUpload(apath, local, digest, skey))
+        return uploads
+
+    def _note_uploads(self, uploads: list[_FileUpload], errors: list[str | None]) -> dict[str, str]:
+        """Report the finished uploads; the ``synced`` tags of the files uploaded now and the
+        ``artifact`` tags of every handle whose file is in the run."""
+        tags = {}
+        for up, err in zip(uploads, errors):
+            if err is None:
+                self.report.uploaded.append(up.artifact)
+                tags[up.synced_tag] = up.digest
+            else:
+                self.report.errors.append(f"upload of {up.artifact!r} failed: {err}")
+        for plan in self.plans:
+            skey = tag_key(plan.handle_id, "synced", rank=plan.rank)
+            if plan.entry.get("file") and (skey in tags or skey in self.tags_now):
+                tags[tag_key(plan.handle_id, "artifact", rank=plan.rank)] = \
+                    f"{ARTIFACT_ROOT}/{Path(plan.entry['file']).as_posix()}"
+        return tags
+
+    # -- step 2: norm metrics --------------------------------------------------------------------
+
+    def _log_norms(self) -> tuple[dict[str, str], set[str]]:
+        """Log the norm points not logged yet; return the handle tags and the module-type tags."""
+        metrics: list[Any] = []
+        tags: dict[str, str] = {}
+        type_tags: set[str] = set()
+        for plan in self.plans:
+            done = self._records_logged(plan)
+            n_total = int(plan.entry.get("records", 0) or 0)
+            fields = norm_fields(plan.entry.get("fields", {}) or {})
+            if fields and n_total > done:  # the manifest is rewritten at every flush
+                run = self._open_run()
+                try:
+                    n_total, series = read_series(run, plan.handle_id, plan.manifest.get("rank"), fields, done)
+                except Exception as e:  # noqa: BLE001 - a broken file must not stop the others
+                    self.report.errors.append(f"handle {plan.handle_id!r}: reading norms failed: {short_error(e)} "
+                                              "(run `hookline verify` on the run directory)")
+                    continue
+                metrics.extend(self._norm_points(plan, series))
+            tags.update(self._handle_tags(plan, max(n_total, done)))
+            t = module_type_tag(plan.entry.get("module_type"))
+            if t:
+                type_tags.add(t)
+        if metrics:
+            try:
+                self.client.log_batch(self.run_id, metrics=metrics, synchronous=True)
+            except Exception as e:  # noqa: BLE001
+                raise TrackingError(f"logging {len(metrics)} metric points failed: {short_error(e)}") from e
+            self.report.metrics += len(metrics)
+        return tags, type_tags
+
+    def _open_run(self) -> Any:
+        if self._run is None:
+            from ..reader import open_run
+
+            self._run = open_run(self.run_dir)
+        return self._run
+
+    def _records_logged(self, plan: _HandlePlan) -> int:
+        """The handle's watermark: records whose norms the run has (its ``records`` tag)."""
+        try:
+            return int(self.tags_now.get(tag_key(plan.handle_id, "records", rank=plan.rank), "0"))
+        except ValueError:
+            return 0
+
+    @staticmethod
+    def _norm_points(plan: _HandlePlan, series: list[NormSeries]) -> list[Any]:
+        """The metric points of the new entries, and each field's ``norm_max``/``norm_last``."""
+        from mlflow.entities import Metric
+
+        created = created_ms(plan.manifest)
+        hid, rank = plan.handle_id, plan.rank
+        points = []
+        for sr in series:
+            if not len(sr.steps):
+                continue
+            key = metric_key(hid, sr.base, "norm", rank=rank)
+            points.extend(Metric(key, float(v), created + int(r), int(st))
+                          for r, st, v in zip(sr.records, sr.steps, sr.norms))
+            # summaries over all entries, at the largest step so far (MLflow shows the value at the
+            # largest step: steps that restart per epoch must not hide a newer summary) and the last
+            # entry's (deterministic) timestamp: a repeat is an identical point, which the store drops
+            finite = sr.all_norms[~np.isnan(sr.all_norms)]
+            vmax = float(finite.max()) if finite.size else float("nan")
+            ts, st = created + int(sr.all_records[-1]), int(sr.all_steps.max())
+            points.append(Metric(metric_key(hid, sr.base, "norm_max", rank=rank), vmax, ts, st))
+            points.append(Metric(metric_key(hid, sr.base, "norm_last", rank=rank), float(sr.all_norms[-1]), ts, st))
+        return points
+
+    # -- step 3: tags ----------------------------------------------------------------------------
+
+    @staticmethod
+    def _handle_tags(plan: _HandlePlan, records: int) -> dict[str, str]:
+        entry = plan.entry
+        fields = entry.get("fields", {}) or {}
+        vals = {
+            "id": plan.handle_id,
+            "module": entry.get("module_name"),
+            "module_type": entry.get("module_type"),
+            "category": entry.get("category"),
+            "fields": json.dumps(sorted(fields)),
+            "shape": json.dumps({f: (v or {}).get("shape") for f, v in sorted(fields.items())}),
+            "dtype": json.dumps({f: (v or {}).get("dtype") for f, v in sorted(fields.items())}),
+            "records": str(records),
+        }
+        return {tag_key(plan.handle_id, k, rank=plan.rank): cut_tag_value(str(v))
+                for k, v in vals.items() if v is not None}
+
+    def _run_tags(self, origin: dict[str, str], type_tags: set[str]) -> dict[str, str]:
+        tags = dict(origin)
+        tags[VERSION_TAG] = _version()
+        fmt = {str(m.get("format_version")) for _, m in self.manifests if m.get("format_version") is not None}
+        if fmt:
+            tags[FORMAT_VERSION_TAG] = ",".join(sorted(fmt))
+        tags[handles_tag(self.rank)] = str(len(self.plans))
+        for t in sorted(type_tags):
+            tags[t] = "true"
+        return tags
+
+    def _send_tags(self, tags: dict[str, str]) -> None:
+        """Log the tags whose value the run does not have yet, in one request."""
+        changed = {k: v for k, v in tags.items() if self.tags_now.get(k) != v}
+        if not changed:
+            return
+        from mlflow.entities import RunTag
+
+        try:
+            self.client.log_batch(self.run_id, tags=[RunTag(k, v) for k, v in changed.items()], synchronous=True)
+        except Exception as e:  # noqa: BLE001
+            raise TrackingError(f"logging {len(changed)} tags failed: {short_error(e)}") from e
+        self.report.tags += len(changed)
+
+    # -- step 4: manifests -----------------------------------------------------------------------
+
+    def _upload_manifests(self) -> None:
+        synced = {}
+        for mpath, _man in self.manifests:
+            digest = file_digest(mpath, self.hashes)
+            mkey = manifest_synced_tag(mpath.name)
+            apath = f"{ARTIFACT_ROOT}/{mpath.name}"
+            if self.tags_now.get(mkey) == digest:
+                self.report.skipped.append(apath)
+                continue
+            try:
+                self.client.log_artifact(self.run_id, str(mpath), ARTIFACT_ROOT)
+            except Exception as e:  # noqa: BLE001
+                self.report.errors.append(f"upload of {apath!r} failed: {short_error(e)}")
+                continue
+            self.report.uploaded.append(apath)
+            synced[mkey] = digest
+        self._send_tags(synced)
+
+
+class _ParallelUploads:
+    """Artifact uploads running on up to ``max_workers`` threads while the pass goes on.
+
+    Plain daemon threads, not a ``concurrent.futures`` executor: an adapter left open makes its
+    final pass at interpreter exit, when executors refuse new work; and daemon, so that an upload
+    stuck past the exit time limit does not keep the process alive.
+
+    Args:
+        client: the :class:`mlflow.MlflowClient`.
+        run_id: the MLflow run.
+        uploads: the files to upload.
+        max_workers: most threads.
+    """
+
+    def __init__(self, client: Any, run_id: str, uploads: list[_FileUpload], max_workers: int) -> None:
+        self._client = client
+        self._run_id = run_id
+        self._uploads = uploads
+        self._errors: list[str | None] = [None] * len(uploads)
+        self._next = 0
+        self._lock = threading.Lock()
+        self._threads: list[threading.Thread] = []
+        for _ in range(min(max_workers, len(uploads))):
+            t = threading.Thread(target=self._work, name="hookline-upload", daemon=True)
+            try:
+                t.start()
+            except RuntimeError:  # Python 3.12 starts no thread at interpreter exit: wait() uploads
+                break
+            self._threads.append(t)
+
+    def _work(self) -> None:
+        while True:
+            with self._lock:
+                i = self._next
+                if i >= len(self._uploads):
+                    return
+                self._next += 1
+            up = self._uploads[i]
+            try:
+                self._client.log_artifact(self._run_id, str(up.local), up.artifact.rsplit("/", 1)[0])
+            except Exception as e:  # noqa: BLE001 - reported per file
+                self._errors[i] = short_error(e)
+
+    def wait(self) -> list[str | None]:
+        """Block until every upload finished; the error of each (None: uploaded), in order."""
+        if not self._threads:
+            self._work()  # no thread could start: upload here, one after the other
+        for t in self._threads:
+            t.join()
+        return self._errors
+
+
+def _check_origin(run_id: str, run_dir: Path, manifests: list[tuple[Path, dict]],
+                 tags_now: dict[str, str]) -> dict[str, str]:
+    """The run's ``hookline.origin`` tags (each rank's run directory, by its manifest's ``run_uuid``).
+
+    Raises:
+        DuplicateNameError: the MLflow run already holds another run directory: its handle files
+            have the same artifact paths and its records the same metric keys, so this one would
+            replace the first one's files and lose its metric points.
+    """
+    tags = {}
+    for _, man in manifests:
+        key = origin_tag(man.get("rank"))
+        mine = run_identity(man)
+        if not mine:
+            continue  # identity unknown (a manifest rebuilt from old files): neither checked nor set
+        have = tags_now.get(key)
+        if have is not None and have != mine:
+            raise DuplicateNameError(
+                f"MLflow run {run_id!r} already holds the hookline data of another run directory "
+                f"({key} {have!r}; {str(run_dir)!r} is {mine!r}): one run directory per MLflow run; "
+                "record or sync this one into a new MLflow run (e.g. a child run of this one)"
+            )
+        tags[key] = mine
+    return tags
+
+
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("hookline")
+    except Exception:  # noqa: BLE001
+        return "unknown"
