@@ -155,15 +155,8 @@ def demo(out: str, tracking_uri: str | None, steps: int, every: int, no_mlflow: 
       hookline demo --out /tmp/demo --tracking-uri http://127.0.0.1:5000
       hookline demo --no-mlflow --steps 50
     """
-    from hookline.storage import open_run
-    from hookline.storage.compare import compare_runs
-
-    from .compare import render_table
-    from .plot import plot_comparison
-
     c = console()
     session_dir = _new_session_dir(Path(out))
-    session = session_dir.name
     client = exp_id = resolved_uri = None
     mlflow_note: str | None = None
     if not no_mlflow:
@@ -177,15 +170,25 @@ def demo(out: str, tracking_uri: str | None, steps: int, every: int, no_mlflow: 
     if mlflow_note:
         console(stderr=True).print(f"[yellow]warning:[/] {esc(mlflow_note)}", soft_wrap=True)
 
-    runs: list[dict[str, Any]] = []
     t0 = time.perf_counter()
+    runs = _train_both(session_dir, client, exp_id, tracking_uri, steps, every, quiet)
+    _print_data(c, runs, time.perf_counter() - t0)
+    if client is not None:
+        _print_mlflow(c, runs, resolved_uri, session_dir.name, tracking_uri)
+    _print_comparison(c, runs, session_dir)
+
+
+def _train_both(session_dir: Path, client: Any, exp_id: str | None, tracking_uri: str | None, steps: int,
+                every: int, quiet: bool) -> list[dict[str, Any]]:
+    """Train and record the two settings; with MLflow, each in a run of its own."""
+    runs: list[dict[str, Any]] = []
     with progress_bar("training", steps * len(SETTINGS), quiet=quiet) as advance:
         for label, lr in SETTINGS:
             run_dir = session_dir / f"lr{lr}"
             run_id = None
             if client is not None:
                 r = client.create_run(exp_id, run_name=f"demo-{label}-lr{lr}",
-                                      tags={DEMO_TAG: session, "hookline.demo.setting": label})
+                                      tags={DEMO_TAG: session_dir.name, "hookline.demo.setting": label})
                 run_id = r.info.run_id
             losses, summary, err = train_one(run_dir, lr, steps, every, mlflow_run_id=run_id,
                                              tracking_uri=tracking_uri, advance=advance)
@@ -197,8 +200,10 @@ def demo(out: str, tracking_uri: str | None, steps: int, every: int, no_mlflow: 
                     err = err or " ".join(str(e).split())
             runs.append({"label": label, "lr": lr, "dir": run_dir, "run_id": run_id, "losses": losses,
                          "summary": summary, "error": err})
-    elapsed = time.perf_counter() - t0
+    return runs
 
+
+def _print_data(c: Any, runs: list[dict[str, Any]], elapsed: float) -> None:
     c.print(f"\n[bold]Data[/] (trained and recorded in {elapsed:.1f} s):", soft_wrap=True)
     for r in runs:
         s = r["summary"]
@@ -208,22 +213,33 @@ def demo(out: str, tracking_uri: str | None, steps: int, every: int, no_mlflow: 
         c.print(f"  run {r['label']} (lr={r['lr']}, final loss {r['losses'][-1]:.4f}): {r['dir']}  "
                 f"[{nh} handles, {size}]", soft_wrap=True, highlight=False, markup=False)
 
-    if client is not None:
-        c.print(f"\n[bold]MLflow[/]: tracking URI {esc(resolved_uri)}, experiment \"{EXPERIMENT}\"", soft_wrap=True)
-        for r in runs:
-            line = f"  run {r['label']}: run id {r['run_id']}"
-            if r["error"]:
-                line += (f"  [yellow]upload failed: {esc(r['error'][:200])}[/]; local data are complete, "
-                         f"upload later: hookline sync {esc(r['dir'])} --run-id {r['run_id']}")
-            c.print(line, soft_wrap=True, highlight=False)
-        filt = _search_filter(session)
-        c.print("  find both runs with the search filter:", soft_wrap=True)
-        c.print(f"    {filt}", soft_wrap=True, highlight=False, markup=False)
-        c.print(f"  e.g. mlflow.search_runs(experiment_names=[\"{EXPERIMENT}\"], filter_string=\"{filt}\")",
-                soft_wrap=True, highlight=False, markup=False)
-        c.print(f"  or:  hookline runs --experiment {EXPERIMENT}"
-                + (f" --tracking-uri {tracking_uri}" if tracking_uri else ""), soft_wrap=True, highlight=False,
-                markup=False)
+
+def _print_mlflow(c: Any, runs: list[dict[str, Any]], resolved_uri: str | None, session: str,
+                  tracking_uri: str | None) -> None:
+    c.print(f"\n[bold]MLflow[/]: tracking URI {esc(resolved_uri)}, experiment \"{EXPERIMENT}\"", soft_wrap=True)
+    for r in runs:
+        line = f"  run {r['label']}: run id {r['run_id']}"
+        if r["error"]:
+            line += (f"  [yellow]upload failed: {esc(r['error'][:200])}[/]; local data are complete, "
+                     f"upload later: hookline sync {esc(r['dir'])} --run-id {r['run_id']}")
+        c.print(line, soft_wrap=True, highlight=False)
+    filt = _search_filter(session)
+    c.print("  find both runs with the search filter:", soft_wrap=True)
+    c.print(f"    {filt}", soft_wrap=True, highlight=False, markup=False)
+    c.print(f"  e.g. mlflow.search_runs(experiment_names=[\"{EXPERIMENT}\"], filter_string=\"{filt}\")",
+            soft_wrap=True, highlight=False, markup=False)
+    c.print(f"  or:  hookline runs --experiment {EXPERIMENT}"
+            + (f" --tracking-uri {tracking_uri}" if tracking_uri else ""), soft_wrap=True, highlight=False,
+            markup=False)
+
+
+def _print_comparison(c: Any, runs: list[dict[str, Any]], session_dir: Path) -> None:
+    """Compare the two runs' gradients: a table, a plot, and what to try next."""
+    from hookline.storage import open_run
+    from hookline.storage.compare import compare_runs
+
+    from .compare import render_table
+    from .plot import plot_comparison
 
     a, b = runs
     result = compare_runs(open_run(a["dir"]), open_run(b["dir"]), handles="grads[*]", fields="grad_out.0")
