@@ -19,6 +19,7 @@ from .options import (
     open_run_arg,
     progress_bar,
     quiet_option,
+    safe_text,
     tracking_uri_option,
 )
 
@@ -225,7 +226,7 @@ def compare(run_a: str, run_b: str, handles: tuple[str, ...], fields: tuple[str,
         d["plot"] = plot
         echo_json(clean_json(d))
     elif plot:
-        click.echo(f"plot written to {plot}")
+        click.echo(f"plot written to {safe_text(plot)}")
 
 
 def _plot_path(plot: str) -> str:

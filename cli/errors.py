@@ -5,6 +5,10 @@ system raise) becomes a :class:`click.ClickException`: click prints ``Error: <me
 and exits with code 1 — no traceback. Any other exception (a bug, or a dependency's error) also
 becomes one line, ``Error: unexpected <Type>: <message> (...)``. Set ``HOOKLINE_DEBUG=1`` to get
 the traceback instead.
+
+Every message printed here (library errors, click's own, warnings) passes
+:func:`~hookline.cli.options.safe_text`: a message that quotes a run's names cannot send control
+characters to the terminal.
 """
 
 from __future__ import annotations
@@ -18,14 +22,16 @@ import click
 
 from hookline.storage.errors import HooklineError
 
+from .options import safe_text
+
 F = TypeVar("F", bound=Callable[..., Any])
 
 __all__ = ["HooklineGroup", "OneLineUsageError", "one_line", "translate", "translate_errors"]
 
 
 def one_line(text: str) -> str:
-    """Collapse a (possibly multi-line) message into one line."""
-    return " ".join(str(text).split())
+    """Collapse a (possibly multi-line) message into one line, control characters escaped."""
+    return safe_text(" ".join(str(text).split()))
 
 
 def translate(exc: BaseException) -> click.ClickException | None:
@@ -124,6 +130,9 @@ class HooklineGroup(click.Group):
             if u is e:
                 raise
             raise u from e
+        except click.ClickException as e:  # a command's own message, which may quote a run
+            e.message = safe_text(e.message)
+            raise
         except Exception as e:
             ce = None if _debug() else translate(e)
             if ce is None:

@@ -16,6 +16,7 @@ from .options import (
     parse_steps,
     progress_bar,
     quiet_option,
+    safe_text,
     tracking_uri_option,
 )
 
@@ -116,7 +117,7 @@ def export(run: str, handle: str, field: str, fmt: str, out: str, steps_spec: st
             w.writerow(["row", "step", "call"])
             for k, i in enumerate(idx):
                 w.writerow([k, int(steps[i]), int(calls[i])])
-    click.echo(f"exported {idx.size} records of {handle} {field} to {out}")
+    click.echo(safe_text(f"exported {idx.size} records of {handle} {field} to {out}"))
 
 
 def _npy(f: Field, idx: np.ndarray, shape: tuple[int, ...], tmp: Path, advance: Callable[[int], None]) -> None:

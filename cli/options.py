@@ -122,18 +122,65 @@ def print_table(table: Any) -> None:
     c.print(table)
 
 
+#: Characters :func:`safe_text` escapes: Unicode categories Cc (C0 and C1 controls, DEL), Cf
+#: (invisible format characters: bidi overrides, zero-width characters), Cs (lone surrogates), Zl
+#: and Zp (line and paragraph separators).
+_UNSAFE_CATEGORIES = frozenset({"Cc", "Cf", "Cs", "Zl", "Zp"})
+_SHORT_ESCAPES = {"\t": "\\t", "\n": "\\n", "\r": "\\r"}
+
+
+def safe_text(value: Any, keep: str = "") -> str:
+    """``str(value)`` fit for a terminal: every text the CLI prints that comes from a run (handle
+    ids, module names and types, field names, meta values, file names, run names, MLflow tags)
+    and every error message goes through here.
+
+    Control characters (C0, DEL, C1), invisible format characters (bidi overrides, zero-width
+    characters), line/paragraph separators and lone surrogates are written as visible Python
+    escapes (``"\\x1b"``, ``"\\u202e"``), so a name cannot move the cursor, recolour or clear the
+    terminal, or hide text; printable unicode is unchanged. Backslashes are not escaped.
+
+    Args:
+        value: anything; ``str(value)`` is escaped.
+        keep: characters left as they are (e.g. ``"\\n"`` for a multi-line report).
+    """
+    import unicodedata
+
+    text = str(value)
+    if text.isprintable() and text.isascii():  # the common case: nothing to look at
+        return text
+    out = []
+    for ch in text:
+        if ch not in keep and unicodedata.category(ch) in _UNSAFE_CATEGORIES:
+            out.append(_escape(ch))
+        else:
+            out.append(ch)
+    return "".join(out)
+
+
+def _escape(ch: str) -> str:
+    """One character as its Python escape (``\\n``, ``\\x1b``, ``\\u202e``, ``\\U000e0001``)."""
+    code = ord(ch)
+    if ch in _SHORT_ESCAPES:
+        return _SHORT_ESCAPES[ch]
+    if code < 0x100:
+        return f"\\x{code:02x}"
+    return f"\\u{code:04x}" if code < 0x10000 else f"\\U{code:08x}"
+
+
 def plain(value: Any):
-    """A table cell / print argument shown verbatim (no rich markup: handle ids contain [...])."""
+    """A table cell / print argument shown verbatim (no rich markup: handle ids contain [...]),
+    with control characters escaped (:func:`safe_text`)."""
     from rich.text import Text
 
-    return Text("-" if value is None else str(value))
+    return Text("-" if value is None else safe_text(value))
 
 
 def esc(value: Any) -> str:
-    """Escape rich markup in a value embedded in a markup string."""
+    """A value embedded in a markup string: control characters escaped (:func:`safe_text`), rich
+    markup escaped."""
     from rich.markup import escape
 
-    return escape(str(value))
+    return escape(safe_text(value))
 
 
 def echo_json(obj: Any) -> None:
@@ -210,7 +257,7 @@ def progress_bar(description: str, total: int | None, *, quiet: bool = False) ->
         console=console(stderr=True),
         transient=True,
     ) as p:
-        task = p.add_task(description, total=total)
+        task = p.add_task(esc(description), total=total)  # (descriptions name handles: [...])
         yield lambda n=1: p.advance(task, n)
 
 

@@ -20,6 +20,7 @@ from .options import (
     json_option,
     plain,
     quiet_mlflow_logs,
+    safe_text,
     tracking_uri_option,
 )
 
@@ -145,7 +146,7 @@ def _print_runs(infos: list[dict[str, Any]], experiment: str | None, uri: str, f
     c = console()
     if not infos:
         where = f"experiment {experiment!r}" if experiment else "any experiment"
-        c.print(f"no runs with hookline data in {where} at {uri} (filter: {filt})", soft_wrap=True,
+        c.print(safe_text(f"no runs with hookline data in {where} at {uri} (filter: {filt})"), soft_wrap=True,
                 highlight=False, markup=False)
         c.print("record one with Recorder(..., mlflow_run_id=...), `hookline sync`, or try `hookline demo`.",
                 soft_wrap=True, highlight=False, markup=False)
@@ -168,10 +169,10 @@ def _print_runs(infos: list[dict[str, Any]], experiment: str | None, uri: str, f
     table.add_column("size", justify="right", no_wrap=True)
     for i in infos:
         started = (i["start_time"] or "-").replace("T", " ").replace("+00:00", "")[5:16]
-        row = [i["run_id"], plain(i["run_name"])]
+        row = [plain(i["run_id"]), plain(i["run_name"])]
         if not one_exp:
             row.append(plain(i["experiment"]))
         status = _STATUS.get(i["status"], str(i["status"]).lower())
-        row += [status, started, str(i["handles"]), human_bytes(i["bytes"])]
+        row += [plain(status), plain(started), str(i["handles"]), human_bytes(i["bytes"])]
         table.add_row(*row)
     c.print(table)

@@ -22,6 +22,7 @@ from .options import (
     open_run_arg,
     progress_bar,
     quiet_option,
+    safe_text,
     tracking_uri_option,
 )
 
@@ -140,7 +141,7 @@ def show(run: str, handle: str | None, as_json: bool, quiet: bool, tracking_uri:
         infos = [handle_info(r, h) for h in r.handles]
         for i in infos:
             if i["warning"]:
-                click.echo(f"warning: {i['warning']}", err=True)
+                click.echo(f"warning: {safe_text(i['warning'])}", err=True)
         if as_json:
             echo_json(clean_json({"run": run, "status": r.status, "meta": r.meta, "handles": infos}))
             return
@@ -152,7 +153,7 @@ def show(run: str, handle: str | None, as_json: bool, quiet: bool, tracking_uri:
     if info["warning"]:
         if info["records"] == 0:
             raise click.ClickException(f"handle {handle!r} of run {run!r} has no readable records: {info['warning']}")
-        click.echo(f"warning: {info['warning']}", err=True)
+        click.echo(f"warning: {safe_text(info['warning'])}", err=True)
     total = sum(f["records"] for f in info["fields"])
     with progress_bar(f"reading {handle}", total, quiet=quiet or as_json) as advance:
         for f in info["fields"]:
@@ -177,7 +178,7 @@ def _print_run(run: str, infos: list[dict], status: str | None = None, meta: dic
     if extra:
         bits.append("meta " + ", ".join(f"{k}={v}" for k, v in list(extra.items())[:6]))
     if bits:
-        console().print("; ".join(bits), soft_wrap=True, markup=False, highlight=False)
+        console().print(safe_text("; ".join(bits)), soft_wrap=True, markup=False, highlight=False)
     table = Table(box=box.SIMPLE_HEAD, show_edge=False, collapse_padding=True, title=f"{esc(run)}: {len(infos)} handles, {human_bytes(total)}", title_justify="left", pad_edge=False)
     table.add_column("handle", overflow="fold", min_width=12)
     table.add_column("type", overflow="fold")
@@ -195,7 +196,7 @@ def _print_run(run: str, infos: list[dict], status: str | None = None, meta: dic
                 plain(i["handle"]) if first else "",
                 plain(_short_type(i["module_type"])) if first else "",
                 plain(f["name"]),
-                f["dtype"],
+                plain(f["dtype"]),
                 _shape_text(f) if f["name"] != "-" else "-",
                 str(f["records"]),
                 _steps_text(i) if first else "",
@@ -220,9 +221,9 @@ def _print_handle(run: str, info: dict) -> None:
 
     c = console()
     c.print(f"[bold]{esc(info['handle'])}[/] in {esc(run)}", soft_wrap=True)
-    c.print(
+    c.print(safe_text(
         f"module {info['module_name'] or '-'} ({info['module_type'] or '-'}), {info['category'] or '-'}; "
-        f"{info['records']} records, steps {_steps_text(info)}, {human_bytes(info['bytes'])}",
+        f"{info['records']} records, steps {_steps_text(info)}, {human_bytes(info['bytes'])}"),
         soft_wrap=True, markup=False,
     )
     fields = Table(box=box.SIMPLE_HEAD, show_edge=False, collapse_padding=True, pad_edge=False)
@@ -231,7 +232,7 @@ def _print_handle(run: str, info: dict) -> None:
     fields.add_column("shape", no_wrap=True)
     fields.add_column("records", justify="right", no_wrap=True)
     for f in info["fields"]:
-        fields.add_row(plain(f["name"]), f["dtype"], _shape_text(f), str(f["records"]))
+        fields.add_row(plain(f["name"]), plain(f["dtype"]), _shape_text(f), str(f["records"]))
     c.print(fields)
     table = Table(box=box.SIMPLE_HEAD, show_edge=False, collapse_padding=True, pad_edge=False)
     table.add_column("field", overflow="fold", min_width=8)

@@ -7,7 +7,7 @@ import os
 
 import click
 
-from .options import CONTEXT_SETTINGS, clean_json, console, echo_json, json_option, tracking_uri_option
+from .options import CONTEXT_SETTINGS, clean_json, console, echo_json, json_option, safe_text, tracking_uri_option
 
 
 @click.command(context_settings=CONTEXT_SETTINGS, short_help='Upload a run directory to an MLflow run (idempotent).')
@@ -53,13 +53,13 @@ def sync(run_dir: str, run_id: str, tracking_uri: str | None, as_json: bool) -> 
         echo_json(clean_json(d))
     else:
         c = console()
-        c.print(
+        c.print(safe_text(
             f"synced {run_dir} to MLflow run {report.run_id}: {len(report.uploaded)} files uploaded, "
             f"{len(report.skipped)} already there, {report.metrics} metric points, {report.tags} tags "
-            f"({report.seconds:.1f} s)", soft_wrap=True, highlight=False, markup=False,
+            f"({report.seconds:.1f} s)"), soft_wrap=True, highlight=False, markup=False,
         )
         for e in report.errors:
-            c.print(f"error: {e}", soft_wrap=True, highlight=False, markup=False)
+            c.print(f"error: {safe_text(e)}", soft_wrap=True, highlight=False, markup=False)
     if not report.ok:
         where = "listed in the JSON" if as_json else "listed above"
         raise click.ClickException(

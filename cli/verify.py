@@ -6,7 +6,7 @@ import os
 
 import click
 
-from .options import CONTEXT_SETTINGS, clean_json, console, echo_json, json_option
+from .options import CONTEXT_SETTINGS, clean_json, console, echo_json, json_option, safe_text
 
 
 @click.command(context_settings=CONTEXT_SETTINGS, short_help='Check a run directory; --repair fixes what it can.')
@@ -35,7 +35,8 @@ def verify(run_dir: str, repair: bool, as_json: bool) -> None:
     if as_json:
         echo_json(clean_json(report.to_dict()))
     else:
-        console().print(str(report), soft_wrap=True, highlight=False, markup=False)
+        # (the report names handles and files of the run: escaped, its own line breaks kept)
+        console().print(safe_text(report, keep="\n"), soft_wrap=True, highlight=False, markup=False)
     if not report.ok:
         raise click.ClickException(
             f"run directory {run_dir!r} has problems"

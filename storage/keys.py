@@ -21,6 +21,16 @@ The original id is always stored in the file attributes, the manifest and the ML
 
 :func:`is_mlflow_run_id` is the one rule for telling a bare MLflow run id from a path or a name
 (the reader, the CLI and MLflow URI parsing all use it).
+
+:func:`check_name` is the one rule for names that enter a run (handle ids, module names and
+types, hook function names, categories, field names): the writer checks them at
+``add_handle()``/``write()`` and the tracker when a recording hook is registered. A name is a
+``str`` of at most :data:`MAX_NAME_LEN` characters without control characters (C0
+``U+0000..U+001F``, DEL ``U+007F``, C1 ``U+0080..U+009F``) and without lone surrogates (which
+UTF-8, and so HDF5 and JSON files, cannot hold). Such names are stored as HDF5 attributes, JSON and
+MLflow tag values, and printed by the CLI: a NUL cannot be stored in an HDF5 string, and an
+escape sequence would reach the terminal of whoever reads the run. Any other character,
+printable unicode included, is allowed.
 """
 
 from __future__ import annotations
@@ -28,12 +38,22 @@ from __future__ import annotations
 import hashlib
 import re
 
-__all__ = ["handle_key", "escape_part", "is_mlflow_run_id", "MAX_KEY_LEN", "MLFLOW_RUN_ID_PATTERN"]
+from .errors import HookTypeError, InvalidArgumentError
+
+__all__ = ["handle_key", "escape_part", "is_mlflow_run_id", "check_name", "MAX_KEY_LEN", "MAX_NAME_LEN",
+           "MLFLOW_RUN_ID_PATTERN"]
 
 #: Longest key; leaves room for prefixes such as ``hookline.`` and ``.grad_out.0.norm_max``
 #: inside MLflow's 250-character key limit.
 MAX_KEY_LEN = 160
 
+#: Longest name :func:`check_name` accepts (handle ids included). Keys are hashed down to
+#: :data:`MAX_KEY_LEN`, and MLflow tag values hold 8000 characters, so this bound is about
+#: readable tables and messages, not a storage limit.
+MAX_NAME_LEN = 1000
+
+#: What :func:`check_name` refuses: C0 controls, DEL, C1 controls, lone surrogates.
+_BAD_CHAR = re.compile("[\x00-\x1f\x7f-\x9f\ud800-\udfff]")
 _SAFE = re.compile(r"[A-Za-z0-9_.]")
 _STRUCTURED = re.compile(r"^(?P<fn>.+)\[(?P<mod>.*)\]$", re.DOTALL)
 
@@ -56,6 +76,55 @@ def is_mlflow_run_id(text: str) -> bool:
         False
     """
     return isinstance(text, str) and _MLFLOW_RUN_ID.fullmatch(text) is not None
+
+
+def _quoted(value: str) -> str:
+    """``repr(value)``, shortened in the middle when long (messages stay one readable line)."""
+    if len(value) <= 120:
+        return repr(value)
+    return f"{value[:60]!r}...{value[-40:]!r} ({len(value)} characters)"
+
+
+def check_name(value: object, what: str, *, fix: str | None = None) -> str:
+    """Check a name that enters a run (see the module docstring for the rule).
+
+    Args:
+        value: the name.
+        what: what it is, for the message (e.g. ``"handle id"``, ``"module name"``).
+        fix: how to fix it, for the message (default: remove the character / use a shorter name).
+
+    Returns:
+        ``value``, unchanged.
+
+    Raises:
+        HookTypeError: ``value`` is not a str.
+        InvalidArgumentError: it contains a control character or a lone surrogate, or is longer
+            than :data:`MAX_NAME_LEN`; the message quotes it with ``repr`` and names the
+            character and its position.
+
+    Example:
+        >>> check_name("outputs[blocks.0]", "handle id")
+        'outputs[blocks.0]'
+        >>> check_name("outputs[a\\x1b[31m]", "handle id")
+        Traceback (most recent call last):
+        hookline.storage.errors.InvalidArgumentError: handle id 'outputs[a\\x1b[31m]' contains ...
+    """
+    if not isinstance(value, str):
+        raise HookTypeError(f"{what} must be a str, got {type(value).__name__} {value!r:.80}")
+    bad = _BAD_CHAR.search(value)
+    if bad is not None:
+        ch = bad.group()
+        kind = "a lone surrogate" if "\ud800" <= ch <= "\udfff" else "the control character"
+        raise InvalidArgumentError(
+            f"{what} {_quoted(value)} contains {kind} {ch!r} (U+{ord(ch):04X}) at position {bad.start()}; "
+            f"names are stored in HDF5 files, manifests and MLflow tags and printed by the CLI, so they may "
+            f"not contain NUL, other control characters (U+0000-U+001F, U+007F-U+009F) or lone surrogates: "
+            f"{fix or 'remove the character from the name'}")
+    if len(value) > MAX_NAME_LEN:
+        raise InvalidArgumentError(
+            f"{what} {value[:60]!r}... is {len(value)} characters long; at most {MAX_NAME_LEN} are allowed: "
+            f"{fix or 'use a shorter name'}")
+    return value
 
 
 def escape_part(part: str) -> str:
@@ -100,8 +169,6 @@ def handle_key(handle_id: str) -> str:
         'my-2dhook/-e'
     """
     if not isinstance(handle_id, str):
-        from .errors import HookTypeError
-
         raise HookTypeError(f"handle id must be a str, got {handle_id!r} ({type(handle_id).__name__})")
     m = _STRUCTURED.match(handle_id)
     key = escape_part(m["fn"]) + "/" + escape_part(m["mod"]) if m else escape_part(handle_id)

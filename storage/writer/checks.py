@@ -1,4 +1,4 @@
-"""Checking what callers hand a RunWriter, on their own thread: steps, record fields, metadata.
+"""Checking what callers hand a RunWriter, on their own thread: names, steps, record fields, metadata.
 
 A refused record raises here, in the caller's ``write()``, and leaves no trace in the writer.
 """
@@ -13,12 +13,27 @@ import numpy as np
 from .. import dtypes
 from ..errors import HookTypeError, InvalidArgumentError
 from ..format import MAX_STEP
+from ..keys import check_name
 from .handle import NewField, WriterHandle
 
-__all__ = ["FieldValue", "check_steps", "checked_fields", "json_meta", "meta_conflicts"]
+__all__ = ["FieldValue", "check_handle_names", "check_steps", "checked_fields", "json_meta", "meta_conflicts"]
 
 #: What ``write()`` takes per field: an array, or ``(raw_bits, dtype_name)``.
 FieldValue = Union[np.ndarray, "tuple[np.ndarray, str]"]
+
+
+def check_handle_names(handle_id: str, info: Mapping[str, str]) -> None:
+    """A handle's id and names (``module_name``, ``module_type``, ``category``, ``hook_fn_name``
+    in ``info``) follow :func:`~hookline.storage.keys.check_name`: checked before the handle is
+    declared, so a name the files cannot hold never reaches the writer thread.
+
+    Raises:
+        HookTypeError, InvalidArgumentError: naming the handle and quoting the bad name.
+    """
+    check_name(handle_id, "handle id", fix="use another handle id (with a HookManager: register the module and the hook "
+               "function under other names)")
+    for what, value in info.items():
+        check_name(value, f"{what} of handle {handle_id!r}")
 
 
 def check_steps(handle_id: str, steps: list[int], calls: list[int]) -> None:

@@ -11,6 +11,7 @@ import numpy as np
 from .._parts import PartEntry
 from ..errors import InvalidArgumentError
 from ..format import check_field_name
+from ..keys import check_name
 from .staging import OpenPart
 from .stats import HandleStats
 
@@ -85,6 +86,7 @@ class WriterHandle:
         if name not in self.known:
             try:
                 check_field_name(name)
+                check_name(name, "field name")
             except InvalidArgumentError as e:
                 raise InvalidArgumentError(f"handle {self.id!r}: {e}") from None
             if name not in self.field_dtype:  # a continued run knows its fields' dtypes already

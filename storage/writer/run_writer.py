@@ -31,7 +31,7 @@ from ..errors import HookTypeError, InvalidArgumentError, StorageError, UnknownN
 from ..format import manifest_name, rank_suffix
 from ..keys import handle_key
 from ..lifecycle import weak_closer
-from .checks import FieldValue, check_steps, checked_fields, json_meta, meta_conflicts
+from .checks import FieldValue, check_handle_names, check_steps, checked_fields, json_meta, meta_conflicts
 from .context import WriterContext
 from .handle import NewField, WriterHandle
 from .manifest import ManifestWriter, RunIdentity
@@ -170,8 +170,17 @@ class RunWriter:
             category: ``"forward_hook"``, ``"forward_pre_hook"`` or ``"backward_hook"``.
             hook_fn_name: the hook function's name.
             meta: JSON-serialisable per-handle metadata.
+
+        Raises:
+            InvalidArgumentError: the id or a name contains a control character or is too long
+                (:func:`~hookline.storage.keys.check_name`), or ``meta`` differs from the
+                handle's earlier metadata.
+            HookTypeError: the id is not a str, or ``meta`` cannot be stored as JSON.
         """
         self._check_open()
+        names = {"module_name": str(module_name), "module_type": str(module_type),
+                 "category": str(category), "hook_fn_name": str(hook_fn_name)}
+        check_handle_names(handle_id, names)
         key = handle_key(handle_id)
         new_meta = json_meta(meta, f"meta of handle {handle_id!r}")
         previous = self._identity.previous
@@ -190,8 +199,7 @@ class RunWriter:
                         f" would be mixed into it: give the hook another name")
             if old is not None:
                 return
-            info = {"module_name": str(module_name), "module_type": str(module_type),
-                    "category": str(category), "hook_fn_name": str(hook_fn_name), "meta": new_meta}
+            info = {**names, "meta": new_meta}
             h = WriterHandle(handle_id, key, self._suffix, info)
             h.adopt_fields(previous.get(handle_id, {}).get("fields", {}))
             self._handles[handle_id] = h

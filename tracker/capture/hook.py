@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from hookline.storage.errors import HookTypeError, InvalidArgumentError
+from hookline.storage.keys import check_name
 
 from hookline.tracker.hooks.handles import HookHandle, passive
 
@@ -137,6 +138,8 @@ class CaptureHook:
         self._sink = sink
         self.options = options
         self.name = name or options.default_name()
+        # Its name becomes part of every handle id it records under: checked now, not at registration.
+        check_name(self.name, "recorder hook name", fix="pass another name= to rec.hook()")
         # (id(module), category) -> binding: rec.inputs may be a pre hook and a forward hook
         # of the same module at once.
         self._bindings: dict[tuple[int, str], Binding] = {}

@@ -21,6 +21,7 @@ from hookline.storage.errors import (
     InvalidArgumentError,
     UnknownNameError,
 )
+from hookline.storage.keys import check_name
 from hookline.tracker.hooks.dispatch import ModuleHooks
 from hookline.tracker.hooks.handles import HookFunction, HookHandle
 
@@ -48,6 +49,24 @@ def _check_category(category: str) -> None:
         raise InvalidArgumentError(
             f"unknown hook category {category!r}; use one of {', '.join(map(repr, CATEGORIES))}"
         )
+
+
+def _check_stored_names(category: str, hook_fn_name: str, targets: list[tuple[str, nn.Module]]) -> None:
+    """The names a recording hook (one with ``_hookline_bind``, e.g. a Recorder's) stores in its
+    run follow storage's rule (:func:`hookline.storage.keys.check_name`: no control characters,
+    bounded length); checked before any handle is created, so a refused name registers nothing."""
+    check_name(hook_fn_name, "hook function name",
+               fix="register it with another hook_fn_name= (a Recorder hook: rec.hook(kind, name=...))")
+    for module_name, _ in targets:
+        check_name(module_name, "module name",
+                   fix=f"register the module under another name, e.g. mgr.register_{category}(fn, "
+                       f"**{{{_clean_name(module_name)!r}: module}})")
+        check_name(f"{hook_fn_name}[{module_name}]", "handle id", fix="use shorter module and hook function names")
+
+
+def _clean_name(name: str) -> str:
+    """``name`` without its unprintable characters (a suggestion for error messages)."""
+    return "".join(ch for ch in name if ch.isprintable())[:60] or "my_module"
 
 
 def _short(module: nn.Module) -> str:
@@ -137,6 +156,9 @@ class HookManager:
             DuplicateNameError: a name already denotes another module or hook function, a
                 module is already registered under another name, or ``fn`` is already
                 registered on one of the modules.
+            InvalidArgumentError: ``fn`` records into a run (a Recorder's hook) and a module
+                name or its hook function name contains a control character or is longer than
+                1000 characters (names a run stores: :func:`hookline.storage.keys.check_name`).
         """
         return self._register("forward_hook", fn, modules, hook_fn_name, activate, named_modules)
 
@@ -191,10 +213,12 @@ class HookManager:
                     f"(handle {hook_fn.module_to_handle[module].name!r}); remove it first or pass "
                     "another hook_fn_name= to hook the module twice"
                 )
+        bind = getattr(fn, "_hookline_bind", None)
+        if bind is not None:
+            _check_stored_names(category, name, targets)
         if hook_fn is None:
             hook_fn = self.name_to_hookfn[name] = HookFunction(fn, name, category)
         created = [self._add_handle(hook_fn, module_name, module) for module_name, module in targets]
-        bind = getattr(fn, "_hookline_bind", None)
         try:
             for handle in created:
                 if activate:
