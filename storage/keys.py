@@ -1,4 +1,4 @@
-"""Collision-free mapping from hook handle ids to file names and MLflow keys, and the MLflow run-id rule.
+"""Collision-free mapping from hook handle ids to file names and MLflow keys; the rules for names and MLflow run ids.
 
 A handle id reads ``"<hook_fn_name>[<module_name>]"`` (e.g. ``outputs[blocks.0.mlp]``). Its
 *key* is used as the file name inside a run directory (``<key>.h5``), as the MLflow artifact
