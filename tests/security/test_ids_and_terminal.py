@@ -283,7 +283,7 @@ def test_show_json_keeps_names_exact(hostile):
     assert d["meta"]["note"] == EVIL_META
 
 
-def test_compare_escapes_handles_and_fields(hostile, tmp_path):
+def test_compare_escapes_handles_and_fields(hostile):
     code, out = _invoke("compare", hostile, hostile)
     assert code == 0, out
     assert _raw_controls(out) == [], out
