@@ -15,6 +15,7 @@ from typing import Any
 
 import h5py
 
+from .confine import clear_for_new_file
 from .errors import InvalidArgumentError, StorageError
 
 __all__ = [
@@ -61,6 +62,7 @@ def fsync_file(path: Path) -> None:
 def atomic_write_json(path: Path, obj: Any, *, fsync: bool = True) -> None:
     """Write JSON atomically: ``<path>.tmp`` + fsync + rename + fsync of the directory."""
     tmp = path.with_name(path.name + ".tmp")
+    clear_for_new_file(tmp)  # (a symlink left at this name is not written through)
     data = json.dumps(obj, indent=1, sort_keys=False, allow_nan=True).encode("utf-8")
     with open(tmp, "wb") as f:
         f.write(data)
@@ -110,7 +112,8 @@ def lock_run(run_dir: Path, suffix: str) -> int:
 
     path = _lock_path(run_dir, suffix)
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        clear_for_new_file(path)  # (a symlink left at this name is not followed)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
     except OSError as e:
         raise StorageError(f"cannot create lock file {str(path)!r}: {e}") from e
     try:

@@ -15,6 +15,7 @@ import numpy as np
 from . import dtypes
 from ._filters import compression_kwargs
 from ._fs import WRITEBACK_BYTES, Writeback
+from .confine import clear_for_new_file
 from .format import (
     FILE_FORMAT,
     FORMAT_VERSION,
@@ -143,6 +144,7 @@ class HandleFileWriter:
     def __init__(self, path: Path, attrs: dict[str, Any], record_start: int,
                  writeback: Writeback | int | None = WRITEBACK_BYTES) -> None:
         self.path = Path(path)
+        clear_for_new_file(self.path)  # (a symlink or FIFO left at this name is not written through)
         self.f = h5py.File(self.path, "w", rdcc_nbytes=0)
         self.writeback = writeback if isinstance(writeback, Writeback) else Writeback(writeback)
         self.attrs = attrs

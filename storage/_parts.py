@@ -15,6 +15,9 @@ from pathlib import Path
 
 import h5py
 
+from .confine import RunRoot
+from .errors import FormatError
+
 __all__ = ["PartEntry", "Discovery", "discover_files", "cover"]
 
 
@@ -82,41 +85,66 @@ def _records_of_final(path: Path) -> int:
         return int(f.attrs["record_start"]) + int(f.attrs["records"])
 
 
-def discover_files(run_dir: Path, key: str, suffix: str) -> Discovery:
-    """List a handle's parts (by name; the final file is opened to read its record count)."""
-    run_dir = Path(run_dir)
-    sub, _, last = key.rpartition("/")
-    d = run_dir / sub if sub else run_dir
+def discover_files(run_dir: Path | RunRoot, key: str, suffix: str) -> Discovery:
+    """List a handle's parts (by name; the final file is opened to read its record count).
+
+    Only names inside the run directory count (:mod:`.confine`): a hookline-looking name that is
+    a symlink leading out of the run, a FIFO, a directory or a device is listed in ``broken``,
+    never opened.
+
+    Args:
+        run_dir: the run directory (a :class:`~.confine.RunRoot` when the caller has one: it is
+            resolved once).
+        key: the handle's key (from the manifest: checked too).
+        suffix: the rank suffix of the file names.
+
+    Raises:
+        FormatError: ``key`` leads outside the run directory (absolute, ``..``, or its folder is a
+            symlink leading out).
+    """
+    root = run_dir if isinstance(run_dir, RunRoot) else RunRoot(run_dir)
+    sub, _, last = root.key(key, what="handle key").rpartition("/")
+    d = root.path / sub if sub else root.path
     base = last + suffix
     prefix = (sub + "/") if sub else ""
     out = Discovery()
     try:
-        names = os.listdir(d)
-    except FileNotFoundError:
+        with os.scandir(d) as it:
+            listing = list(it)
+    except (FileNotFoundError, NotADirectoryError):
         return out
     seg_re = re.compile(re.escape(base) + r"\.r(\d{12})-(\d{12})\.h5seg")
     part_re = re.compile(re.escape(base) + r"\.r\d{12}\.h5seg\.partial")
     leftover_re = re.compile(re.escape(base) + r"(\.h5|\.r\d{12}-\d{12}\.h5seg)\.partial")
     entries: list[PartEntry] = []
-    for nm in names:
+    for item in listing:
+        nm = item.name
         if not nm.startswith(base + "."):
             continue
         rel = prefix + nm
-        if nm == base + ".h5":
-            try:
-                entries.append(PartEntry(rel, "final", 0, _records_of_final(d / nm)))
-            except Exception as e:
-                out.broken.append((rel, f"{type(e).__name__}: {e}"))
+        if part_re.fullmatch(nm):
+            out.partials.append(rel)  # (never opened: moved aside or ignored by name)
+            continue
+        if leftover_re.fullmatch(nm):
+            out.leftovers.append(rel)
             continue
         m = seg_re.fullmatch(nm)
+        if nm != base + ".h5" and not m:
+            continue
+        if not item.is_file(follow_symlinks=False):  # (a symlink, FIFO, ...: check it, never open it)
+            try:
+                root.file(rel, what="handle file")
+            except FormatError as e:
+                out.broken.append((rel, str(e)))
+                continue
         if m:
             a, b = int(m[1]), int(m[2])
             if b > a:
                 entries.append(PartEntry(rel, "segment", a, b))
             continue
-        if part_re.fullmatch(nm):
-            out.partials.append(rel)
-        elif leftover_re.fullmatch(nm):
-            out.leftovers.append(rel)
+        try:
+            entries.append(PartEntry(rel, "final", 0, _records_of_final(d / nm)))
+        except Exception as e:
+            out.broken.append((rel, f"{type(e).__name__}: {e}"))
     out.cover, out.superseded, out.gaps, out.end = cover(entries)
     return out

@@ -32,6 +32,7 @@ from . import dtypes
 from ._fs import check_max_open_files
 from ._h5read import FileLRU, Part, PartField, open_part
 from ._parts import Discovery, discover_files
+from .confine import RunRoot
 from .errors import FormatError, HookTypeError, InvalidArgumentError, RecordIndexError, StorageError, UnknownNameError
 from .format import MANIFEST_RE, check_manifest, rank_suffix, read_manifest
 from .sources import find_source
@@ -55,6 +56,7 @@ class LocalSource:
 
     def __init__(self, root: str | os.PathLike[str]):
         self.root = Path(root)
+        self._confined = RunRoot(self.root)  # (resolved once: every path of the run is checked against it)
 
     def manifests(self) -> list[dict[str, Any]]:
         """Parsed manifests (``manifest.json`` / ``manifest.rank<r>.json``); synthesised from the
@@ -64,28 +66,37 @@ class LocalSource:
             FormatError: no manifest and no hookline file: not a run directory (perhaps a folder
                 of runs, which the message names).
         """
-        found = sorted(p for p in self.root.iterdir() if MANIFEST_RE.fullmatch(p.name))
+        found = sorted(p.name for p in self.root.iterdir() if MANIFEST_RE.fullmatch(p.name))
         if found:
-            return [read_manifest(p) for p in found]
+            return [read_manifest(self._confined.file(n, what="manifest")) for n in found]
         manifests = synthesise_manifests(self.root)
         if not manifests:
             raise _not_a_run(self.root)
         return manifests
 
     def path(self, rel: str) -> Path:
-        """Local path of a file of the run."""
-        return self.root / rel
+        """Local path of a file of the run.
+
+        Raises:
+            FormatError: ``rel`` leads outside the run directory or names something other than a
+                regular file (:mod:`.confine`).
+        """
+        return self._confined.file(rel, what="file")
 
     def size(self, rel: str) -> int | None:
-        """Size in bytes of a file of the run, or None when it is not there."""
+        """Size in bytes of a file of the run, or None when it is not there (or not a file of the run)."""
         try:
-            return os.path.getsize(self.root / rel)
-        except OSError:
+            return os.path.getsize(self._confined.file(rel, what="file"))
+        except (OSError, FormatError):
             return None
 
     def discover(self, key: str, suffix: str) -> Discovery:
-        """The handle's complete files (final and sealed segments) in record order."""
-        return discover_files(self.root, key, suffix)
+        """The handle's complete files (final and sealed segments) in record order.
+
+        Raises:
+            FormatError: ``key`` leads outside the run directory.
+        """
+        return discover_files(self._confined, key, suffix)
 
 
 def _not_a_run(root: Path) -> FormatError:
@@ -263,15 +274,21 @@ class Handle:
         self.gaps: list[tuple[int | None, int, int]] = []
         self._listed: list[LazyPart] = []
         self._damaged: list[str] = []
+        self._refused: list[str] = []  # why listed files (or a key) were not opened
         run = self.run
         src = run.source
         for m, e in self._entries:
             rank = m.get("rank")
             if hasattr(src, "discover"):
-                d = src.discover(e["key"], rank_suffix(rank, m.get("world_size")))
+                try:
+                    d = src.discover(e.get("key"), rank_suffix(rank, m.get("world_size")))
+                except FormatError as err:  # a key leading outside the run: nothing of it is read
+                    self._refused.append(f"handle {self.id!r}: {err}")
+                    continue
                 self.gaps.extend((rank, a, b) for a, b in d.gaps)
                 self._listed.extend(LazyPart(src, f.name, rank, run.files) for f in d.cover)
                 self._damaged.extend(rel for rel, _ in d.broken)  # (still bytes on disk)
+                self._refused.extend(f"{rel}: {why}" for rel, why in d.broken)
             elif e.get("records", 1) or e.get("file"):
                 self._listed.append(LazyPart(src, e["file"], rank, run.files))
         self._lazy = list(self._listed)  # the readable ones, once loaded
@@ -288,6 +305,7 @@ class Handle:
             self._close()
             self._discover()
             parts, lazy, errors = self._open_parts()
+        self.problems.extend(self._refused)  # (files discovery refused or could not open)
         for e in errors:
             # A damaged complete file (external corruption): read the others (if any: a handle
             # whose every file is damaged reads as empty, like one whose final file is), say so

@@ -15,6 +15,8 @@ from typing import Any
 
 import h5py
 
+from .confine import RunRoot
+from .errors import FormatError
 from .format import FILE_FORMAT, FORMAT_VERSION, RUN_FORMAT, rank_suffix
 
 __all__ = ["synthesise_manifests"]
@@ -31,7 +33,12 @@ def synthesise_manifests(root: Path) -> list[dict[str, Any]]:
         The manifests; empty when ``root`` holds no hookline file of its own.
     """
     by_rank: dict[tuple[int, int], dict[str, Any]] = {}
+    confined = RunRoot(root)
     for p in sorted(list(root.rglob("*.h5")) + list(root.rglob("*.h5seg"))):
+        try:  # (a FIFO or a symlink out of the run is never opened: verify reports it)
+            confined.file(p.relative_to(root).as_posix(), what="file")
+        except FormatError:
+            continue
         try:
             with h5py.File(p, "r", rdcc_nbytes=0) as f:
                 a = {k: (v.decode() if isinstance(v, bytes) else v) for k, v in f.attrs.items()}

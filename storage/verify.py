@@ -21,6 +21,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import stat
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,7 @@ from ._fs import atomic_write_json, fsync_dir, fsync_file
 from ._h5read import Part, open_part
 from ._merge import merge_files
 from ._parts import Discovery, discover_files
+from .confine import RunRoot
 from .errors import FormatError, StorageError
 from .format import (
     MANIFEST_RE,
@@ -40,6 +42,7 @@ from .format import (
     now_iso,
     rank_suffix,
 )
+from .keys import handle_key
 from .reader import LocalSource
 from .synthesise import synthesise_manifests
 
@@ -151,9 +154,12 @@ def _check_locks(run_dir: Path, repair: bool, report: VerifyReport) -> list[str]
 
     held = []
     for lock in sorted(run_dir.glob(".writer*.lock")):
-        try:
-            fd = os.open(lock, os.O_RDWR)
+        try:  # (never through a symlink, never blocking on a FIFO; only a regular file is a lock)
+            fd = os.open(lock, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK)
         except OSError:
+            continue
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
             continue
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -172,11 +178,17 @@ def _check_locks(run_dir: Path, repair: bool, report: VerifyReport) -> list[str]
 
 
 def _quarantine(run_dir: Path, rel: str, report: VerifyReport) -> str:
-    src = run_dir / rel
-    dst = run_dir / QUARANTINE_DIR / rel
+    """Move the entry ``rel`` itself (a symlink is moved, not followed) to the quarantine folder.
+
+    Raises:
+        FormatError: ``rel`` or the quarantine folder leads outside the run directory.
+    """
+    root = RunRoot(run_dir)
+    src = root.entry(rel, what="entry to quarantine")
+    dst = root.entry(f"{QUARANTINE_DIR}/{rel}", what="quarantine destination")
     dst.parent.mkdir(parents=True, exist_ok=True)
     if dst.exists():
-        dst = dst.with_name(dst.name + f".{int(os.path.getmtime(src))}")
+        dst = dst.with_name(dst.name + f".{int(os.lstat(src).st_mtime)}")
     os.replace(src, dst)
     report.moved.append(rel)
     return str(dst.relative_to(run_dir))
@@ -287,10 +299,10 @@ def _verify_handle(run_dir: Path, m: dict, hid: str, entry: dict, suffix: str, r
     """Check one handle's parts and report; on repair, merge them into its final file and update
     its manifest entry."""
     hr = HandleReport(hid, m.get("rank"))
-    key = entry.get("key")
-    if not key:
-        hr.problems.append("manifest entry has no 'key'")
+    key = _confined_key(run_dir, hid, entry, repair, hr, report)
+    if key is None:
         return hr
+    _check_file_entry(run_dir, hid, entry, repair, hr)
     d, good = _check_parts(run_dir, key, suffix, hid, repair, hr, report)
     _report_leftovers(run_dir, d, repair, hr, report)
     for a, b in d.gaps:
@@ -317,6 +329,55 @@ def _verify_handle(run_dir: Path, m: dict, hid: str, entry: dict, suffix: str, r
     if repair:
         _update_entry(run_dir, entry, final_rel, hr)
     return hr
+
+
+def _confined_key(run_dir: Path, hid: str, entry: dict, repair: bool, hr: HandleReport,
+                  report: VerifyReport) -> str | None:
+    """The handle's manifest key if it stays inside the run directory (its files are found by
+    it). A key that leads outside (absolute, ``..``, a symlinked folder) is a problem; repair
+    resets it to the handle id's key (moving a symlinked folder aside). None: skip the handle."""
+    key = entry.get("key")
+    if not key:
+        hr.problems.append("manifest entry has no 'key'")
+        return None
+    root = RunRoot(run_dir)
+    what = f"manifest key of handle {hid!r}"
+    try:
+        return root.key(key, what=what)
+    except FormatError as e:
+        fixed = handle_key(hid)
+        if not repair:
+            hr.problems.append(f"{e} (repair " + (f"resets it to {fixed!r})" if fixed != key else
+                                                  "moves the folder aside)"))
+            return None
+        folder = fixed.rpartition("/")[0]
+        p = run_dir / folder
+        if folder and ((p.is_symlink() and not root.inside(p)) or (p.exists() and not p.is_dir())):
+            hr.repaired.append(f"moved {folder} aside (a link leading outside the run directory, or not a "
+                               f"folder) to {_quarantine(run_dir, folder, report)}")
+        try:
+            root.key(fixed, what=what)
+        except FormatError as e2:
+            hr.problems.append(str(e2))
+            return None
+    if fixed != key:
+        entry["key"] = fixed
+        hr.repaired.append(f"reset manifest key {key!r} (it led outside the run directory) to {fixed!r}")
+    return fixed
+
+
+def _check_file_entry(run_dir: Path, hid: str, entry: dict, repair: bool, hr: HandleReport) -> None:
+    """Report a manifest ``file`` that leads outside the run directory (repair rewrites it)."""
+    rel = entry.get("file")
+    if rel is None:
+        return
+    try:  # (what the name holds is checked with the handle's files)
+        RunRoot(run_dir).resolve(rel, what=f"manifest file of handle {hid!r}")
+    except FormatError as e:
+        if repair:
+            hr.repaired.append(f"replaced manifest file {rel!r}: it led outside the run directory")
+        else:
+            hr.problems.append(str(e))
 
 
 def _check_parts(run_dir: Path, key: str, suffix: str, hid: str, repair: bool, hr: HandleReport,

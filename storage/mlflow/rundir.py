@@ -1,4 +1,4 @@
-"""What a local run directory holds for an upload: its manifests, file digests and norm series."""
+"""What a local run directory holds for an upload: its manifests, sound handle files, file digests and norm series."""
 
 from __future__ import annotations
 
@@ -11,10 +11,13 @@ from typing import Any
 
 import numpy as np
 
+from .._h5read import open_part
+from ..confine import RunRoot
 from ..errors import FormatError, UnknownNameError
 from ..format import MANIFEST_RE
+from .client import short_error
 
-__all__ = ["NormSeries", "load_manifests", "created_ms", "file_digest", "norm_fields", "read_series"]
+__all__ = ["NormSeries", "load_manifests", "created_ms", "file_damage", "file_digest", "norm_fields", "read_series"]
 
 #: ``mode="stats"`` fields other than ``.norm`` get no metric series of their own.
 _STATS_SUFFIXES = (".mean", ".std", ".min", ".max", ".absmax", ".hist")
@@ -42,7 +45,9 @@ def load_manifests(run_dir: Path, rank: int | None) -> list[tuple[Path, dict]]:
             "(run `hookline verify` on it, or pass the directory a Recorder wrote)"
         )
     out = []
+    root = RunRoot(run_dir)
     for p in found:
+        root.file(p.name, what="manifest")  # (a FIFO would block the read; a symlink may lead out)
         try:
             man = json.loads(p.read_text(encoding="utf-8"))
         except (OSError, ValueError) as e:
@@ -63,6 +68,49 @@ def created_ms(man: dict) -> int:
         except ValueError:
             pass
     return 0
+
+
+def file_damage(path: Path, handle_id: str, entry: dict, exact: bool) -> str | None:
+    """Why a handle file must not be uploaded, or None when it is sound.
+
+    A file is damaged when it does not open as a hookline handle file (truncated, not HDF5),
+    belongs to another handle, its index does not hold its records, a field's index or last entry
+    does not read, it has a field the manifest entry does not list, or (``exact``: the final pass
+    of a closed run) its record count is not the manifest's.
+
+    Args:
+        path: the handle file (already confined to the run directory).
+        handle_id: the handle the manifest entry is of.
+        entry: the manifest entry.
+        exact: also require the manifest's record count (mid-run passes may read an older manifest).
+    """
+    try:
+        part = open_part(path)
+    except Exception as e:  # noqa: BLE001 - whatever keeps it from opening is damage
+        return f"it does not open as a hookline file: {short_error(e)}"
+    try:
+        if part.handle_id != handle_id:
+            return f"it holds handle {part.handle_id!r}"
+        claimed = entry.get("records")
+        if exact and isinstance(claimed, int) and (part.n != claimed or part.record_start != 0):
+            return f"it holds records [{part.record_start}, {part.record_start + part.n}), the manifest says {claimed}"
+        listed = entry.get("fields") if isinstance(entry.get("fields"), dict) else {}
+        unknown = sorted(set(part.field_names) - set(listed))
+        if unknown:
+            return f"its fields {unknown} are not in the manifest"
+        if len(part.steps) != part.n or len(part.calls) != part.n:
+            return "its step/call index does not hold its records"
+        for name in part.field_names:
+            pf = part.field(name)
+            if pf.count > part.n or len(pf.records) != pf.count:
+                return f"field {name!r}: its index does not match its {pf.count} entries"
+            if pf.count:
+                pf.read_stored(pf.count - 1)  # the data is there
+    except Exception as e:  # noqa: BLE001 - any failure to read it is damage
+        return short_error(e)
+    finally:
+        part.close()
+    return None
 
 
 def file_digest(path: Path, cache: dict[Path, tuple[tuple[int, int], str]]) -> str:

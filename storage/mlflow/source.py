@@ -14,7 +14,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from ..errors import FormatError, InvalidArgumentError, TrackingError, UnknownNameError
+from ..confine import check_relative
+from ..errors import FormatError, TrackingError, UnknownNameError
 from ..format import MANIFEST_RE
 from .client import connect, get_run, short_error
 from .uri import parse_run_uri
@@ -112,10 +113,12 @@ class MlflowSource:
 
         Returns:
             The cached file (re-downloaded when its size differs from the artifact's).
+
+        Raises:
+            FormatError: ``rel`` is absolute or leads out with ``..`` (:mod:`..confine`): the
+                cache holds nothing outside the run's folder.
         """
-        rel = Path(rel).as_posix()
-        if rel.startswith("/") or ".." in rel.split("/"):
-            raise InvalidArgumentError(f"artifact path {rel!r} must be relative to the run directory, without '..'")
+        rel = Path(check_relative(rel, what="file", where=f"runs:/{self.run_id}")).as_posix()
         apath = f"{self.root}/{rel}"
         folder, name = apath.rsplit("/", 1)
         with self._lock:
@@ -133,7 +136,10 @@ class MlflowSource:
     def size(self, rel: str) -> int | None:
         """Size in bytes of a file of the run directory as MLflow lists it (no download), or
         None when MLflow does not say or the file is not there."""
-        apath = f"{self.root}/{Path(rel).as_posix()}"
+        try:
+            apath = f"{self.root}/{Path(check_relative(rel, what='file', where=self.run_id)).as_posix()}"
+        except FormatError:
+            return None  # (not a file of the run: reading it says why)
         folder, name = apath.rsplit("/", 1)
         with self._lock:
             return self._listing(folder).get(name)

@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import DuplicateNameError, FormatError, HookTypeError, InvalidArgumentError, TrackingError
+from ..confine import RunRoot
 from ..errors import TrackingUnreachableError, UnknownNameError
 from ..format import run_identity
 from .client import check_reachable, connect, get_run, short_error, tracking_uri_of
@@ -51,7 +52,7 @@ from .keys import (
     tag_key,
 )
 from .report import SyncReport
-from .rundir import NormSeries, created_ms, file_digest, load_manifests, norm_fields, read_series
+from .rundir import NormSeries, created_ms, file_damage, file_digest, load_manifests, norm_fields, read_series
 
 __all__ = ["PassMode", "Uploader"]
 
@@ -197,6 +198,8 @@ class _Pass:
         self.tags_now: dict[str, str] = {}
         self.manifests: list[tuple[Path, dict]] = []
         self.plans: list[_HandlePlan] = []
+        #: handles (id, rank) whose file is refused: outside the run, or damaged (no upload, no tags)
+        self.refused: set[tuple[str, int | None]] = set()
         self._run: Any = None  # the run directory opened with the storage reader, on first need
 
     def execute(self) -> None:
@@ -236,11 +239,16 @@ class _Pass:
         uploads: list[_FileUpload] = []
         if self.mode == PassMode.METRICS:
             return uploads
+        root = RunRoot(self.run_dir)
         for plan in self.plans:
             rel = plan.entry.get("file")
             if not rel:
                 continue
-            local = self.run_dir / rel
+            try:  # (only a regular file inside the run directory is ever uploaded)
+                local = root.file(rel, what=f"file of handle {plan.handle_id!r}")
+            except FormatError as e:
+                self._refuse(plan, str(e))
+                continue
             apath = f"{ARTIFACT_ROOT}/{Path(rel).as_posix()}"
             if not local.is_file():
                 if self.mode == PassMode.FINAL:
@@ -254,9 +262,19 @@ class _Pass:
             skey = tag_key(plan.handle_id, "synced", rank=plan.rank)
             if self.tags_now.get(skey) == digest:
                 self.report.skipped.append(apath)
-            else:
+                continue
+            damage = file_damage(local, plan.handle_id, plan.entry, exact=self.mode == PassMode.FINAL)
+            if damage is None:
                 uploads.append(_FileUpload(apath, local, digest, skey))
+            else:
+                self._refuse(plan, f"handle {plan.handle_id!r}: file {str(local)!r} is damaged ({damage}); "
+                                   "not uploaded (run `hookline verify --repair` on the run directory, then sync again)")
         return uploads
+
+    def _refuse(self, plan: _HandlePlan, why: str) -> None:
+        """Leave a handle out of the pass (file, metrics, tags): its file is not one to upload."""
+        self.report.errors.append(why)
+        self.refused.add((plan.handle_id, plan.rank))
 
     def _note_uploads(self, uploads: list[_FileUpload], errors: list[str | None]) -> dict[str, str]:
         """Report the finished uploads; the ``synced`` tags of the files uploaded now and the
@@ -270,6 +288,8 @@ class _Pass:
                 self.report.errors.append(f"upload of {up.artifact!r} failed: {err}")
         for plan in self.plans:
             skey = tag_key(plan.handle_id, "synced", rank=plan.rank)
+            if (plan.handle_id, plan.rank) in self.refused:
+                continue
             if plan.entry.get("file") and (skey in tags or skey in self.tags_now):
                 tags[tag_key(plan.handle_id, "artifact", rank=plan.rank)] = \
                     f"{ARTIFACT_ROOT}/{Path(plan.entry['file']).as_posix()}"
@@ -283,6 +303,8 @@ class _Pass:
         tags: dict[str, str] = {}
         type_tags: set[str] = set()
         for plan in self.plans:
+            if (plan.handle_id, plan.rank) in self.refused:
+                continue  # (its records are not what the manifest says: no metrics or tags from it)
             done = self._records_logged(plan)
             n_total = int(plan.entry.get("records", 0) or 0)
             fields = norm_fields(plan.entry.get("fields", {}) or {})

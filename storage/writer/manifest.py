@@ -11,6 +11,7 @@ from typing import Any, Iterable
 import numpy as np
 
 from .._fs import atomic_write_json
+from ..confine import RunRoot
 from ..format import (
     FORMAT_VERSION,
     MANIFEST_RE,
@@ -53,9 +54,10 @@ class RunIdentity:
         rewrites it); a run continued at another world size keeps the uuid of another rank layout's
         manifest."""
         ident = cls(rank, world_size, meta, new_uuid, now_iso())
-        if manifest_path.exists():
+        confined = RunRoot(run_dir)  # (a FIFO or a symlink out of the run is not read)
+        if manifest_path.exists() or manifest_path.is_symlink():
             try:
-                old = read_manifest(manifest_path)
+                old = read_manifest(confined.file(manifest_path.name, what="manifest"))
                 ident.created = old.get("created", ident.created)
                 ident.uuid = run_identity(old) or ident.uuid
                 ident.previous = dict(old.get("handles", {}))
@@ -65,7 +67,7 @@ class RunIdentity:
         # manifest.json -> manifest.rank<r>.json: still the same run, for the MLflow run it is synced to.
         for other in sorted(p for p in run_dir.glob("*.json") if MANIFEST_RE.fullmatch(p.name)):
             try:
-                ident.uuid = run_identity(read_manifest(other)) or ident.uuid
+                ident.uuid = run_identity(read_manifest(confined.file(other.name, what="manifest"))) or ident.uuid
                 break
             except Exception:
                 continue
