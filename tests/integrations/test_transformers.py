@@ -145,3 +145,27 @@ def test_a_pattern_that_selects_nothing_fails_before_anything_is_recorded(tmp_pa
     with pytest.raises(InvalidArgumentError, match=r"outputs='transformer.blocks.\*' selects no module.*'transformer'"):
         trainer.train()
     assert not (tmp_path / "rec").exists() and hook_count(model) == baseline
+
+
+def test_a_batch_size_retry_within_one_train_call_keeps_recording(tmp_path):
+    """auto_find_batch_size: an out-of-memory step is retried with half the batch inside the same
+    train(); on_train_begin comes again, and the same recording goes on."""
+    model = tiny_gpt2()
+    baseline = hook_count(model)
+    forwards = []
+
+    def out_of_memory_once(module, args):
+        forwards.append(args[0].shape[0])
+        if len(forwards) == 2:  # step 0, call 1 (before the loss: no backward of it)
+            raise RuntimeError("DefaultCPUAllocator: can't allocate memory")
+
+    handle = model.lm_head.register_forward_pre_hook(out_of_memory_once)
+    cb = HooklineCallback(outputs="transformer.h.0.mlp")
+    args = training_args(tmp_path / "out", report_to=[], max_steps=1, auto_find_batch_size=True)
+    Trainer(model=model, args=args, train_dataset=token_dataset(), callbacks=[cb]).train()
+    handle.remove()
+    assert forwards == [2, 2, 1, 1]  # the retry ran with half the batch
+    assert hook_count(model) == baseline
+    f = open_run(tmp_path / "out" / "hookline")["outputs[transformer.h.0.mlp]"]["outputs.0"]
+    assert f.steps.tolist() == [0, 0, 0, 0] and f.calls.tolist() == [0, 1, 2, 3]
+    assert [f[i].shape[0] for i in range(4)] == [2, 2, 1, 1]

@@ -94,8 +94,9 @@ class HooklineCallback(SessionCallback, TrainerCallback):
             self._guard(trainer, "train")
             if not getattr(args, "auto_find_batch_size", False):
                 self._guard(trainer, "training_step")
-        if self.session is not None and self.session.is_open and self.session.model is model:
-            return  # train() went on with a smaller batch after an out-of-memory step
+        if (getattr(args, "auto_find_batch_size", False) and self.session is not None and self.session.is_open
+                and self.session.model is model):
+            return  # train() goes on with a smaller batch after an out-of-memory step: same recording
         run_id, tracking_uri = _mlflow_run(trainer, args, state, model)
         self.open_session(model, Path(args.output_dir or ".") / "hookline", run_id, tracking_uri)
 
