@@ -21,12 +21,16 @@ from hookline.storage import open_run  # noqa: E402
 WORKER = Path(__file__).with_name("_hf_ddp_worker.py")
 
 
+def _torchrun(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           str(WORKER), str(tmp_path), *args], env=env, cwd=tmp_path, capture_output=True, text=True,
+                          timeout=150)
+
+
 def test_both_ranks_record_into_the_trainers_one_mlflow_run(tmp_path, mlflow_experiment):
     uri, experiment = mlflow_experiment
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                           str(WORKER), str(tmp_path)], env=env, cwd=tmp_path, capture_output=True, text=True,
-                          timeout=240)
+    proc = _torchrun(tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert [r["world_size"] for r in results] == [2, 2]
@@ -52,3 +56,22 @@ def test_both_ranks_record_into_the_trainers_one_mlflow_run(tmp_path, mlflow_exp
             np.testing.assert_allclose(f.read(), np.array(results[r]["outputs"], dtype=np.float32), rtol=0, atol=0)
     # the ranks trained on different shards of the data
     assert not np.array_equal(results[0]["outputs"][0], results[1]["outputs"][0])
+
+
+def test_a_rank_that_fails_alone_closes_its_recording_without_waiting_for_the_others(tmp_path, mlflow_experiment):
+    """Rank 1 raises in step 1 while rank 0 waits in DDP's gradient all-reduce: rank 1 closes its
+    recording with no collective (one would hang or fail against rank 0's all-reduce), uploads
+    it, and exits; torchrun then stops rank 0."""
+    uri, experiment = mlflow_experiment
+    proc = _torchrun(tmp_path, "fail")
+    assert proc.returncode != 0
+    result = json.loads((tmp_path / "rank1.json").read_text())
+    assert result == {"error": "boom on rank 1", "closed": True, "run_id": result["run_id"]}, proc.stderr[-6000:]
+    run = open_run(tmp_path / "trainer" / "hookline")
+    assert run.manifests[1]["rank"] == 1 and run.manifests[1]["status"] == "closed"
+    f = run.handle("outputs[transformer.h.0.mlp]", rank=1)["outputs.0"]
+    assert f.steps.tolist() == [0, 1]  # step 1's forward happened before the failure
+    assert run.handle("grads[transformer.h.1.mlp]", rank=1)["grad_out.0"].steps.tolist() == [0]
+    (mlrun,) = experiment_runs(uri, experiment)
+    assert mlrun.info.run_id == result["run_id"]
+    assert "hookline/outputs/transformer.h.0.mlp.rank1.h5" in artifact_files(uri, result["run_id"])

@@ -28,7 +28,13 @@ from hookline.tracker.integrations.transformers import HooklineCallback  # noqa:
 MLP = "transformer.h.?.mlp"
 
 
-def test_trainer_records_optimizer_steps_and_micro_batches_into_the_trainers_mlflow_run(tmp_path, mlflow_experiment):
+@pytest.mark.parametrize("order", ["after_mlflow", "before_mlflow"])
+def test_trainer_records_optimizer_steps_and_micro_batches_into_the_trainers_mlflow_run(
+        tmp_path, mlflow_experiment, order):
+    """``after_mlflow``: the usual order (the Trainer's MLflowCallback starts its run before
+    hookline's callback begins and ends it before hookline's closes: the upload lands in the
+    finished run). ``before_mlflow``: hookline's callback first, it has the MLflowCallback start
+    its run."""
     uri, experiment = mlflow_experiment
     model = tiny_gpt2()
     baseline = hook_count(model)
@@ -36,6 +42,11 @@ def test_trainer_records_optimizer_steps_and_micro_batches_into_the_trainers_mlf
     cb = HooklineCallback(outputs=MLP, grads=MLP, every=2)
     trainer = Trainer(model=model, args=training_args(tmp_path / "out", report_to=["mlflow"]),
                       train_dataset=token_dataset(), callbacks=[cb])
+    names = [type(c).__name__ for c in trainer.callback_handler.callbacks]
+    assert names.index("MLflowCallback") < names.index("HooklineCallback")
+    if order == "before_mlflow":
+        trainer.callback_handler.callbacks.remove(cb)
+        trainer.callback_handler.callbacks.insert(0, cb)
     trainer.train()
     ref.remove()
 
