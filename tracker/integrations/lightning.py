@@ -13,18 +13,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from hookline.storage.errors import MissingDependencyError
-
-from .session import SessionCallback
+from .session import SessionCallback, missing_extra
 
 try:
     from lightning.pytorch import Callback
     from lightning.pytorch.loggers import MLFlowLogger
 except ImportError as e:  # the core install does not include lightning
-    raise MissingDependencyError(
-        "hookline.tracker.integrations.lightning needs Lightning: "
-        f"pip install 'hookline[lightning]' (import failed: {e})"
-    ) from e
+    raise missing_extra("lightning", "Lightning", e) from e
 
 __all__ = ["HooklineCallback"]
 

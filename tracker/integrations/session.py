@@ -30,7 +30,7 @@ from typing import Any, Iterable
 
 from torch import nn
 
-from hookline.storage.errors import HookTypeError, InvalidArgumentError
+from hookline.storage.errors import HookTypeError, InvalidArgumentError, MissingDependencyError
 from hookline.tracker.capture.distributed import detect, gather
 from hookline.tracker.capture.hook import CaptureOptions
 from hookline.tracker.capture.recorder import Recorder
@@ -39,7 +39,7 @@ from hookline.tracker.capture.summary import RecorderSummary
 from hookline.tracker.hooks.manager import HookManager
 from hookline.tracker.hooks.select import select
 
-__all__ = ["CallbackOptions", "RecordingSession", "SessionCallback", "RECORDER_KEYWORDS"]
+__all__ = ["CallbackOptions", "RecordingSession", "SessionCallback", "RECORDER_KEYWORDS", "missing_extra"]
 
 log = logging.getLogger("hookline")
 
@@ -53,6 +53,14 @@ _REGISTER = {
 #: The Recorder keywords a callback passes through (``run_dir``, ``every`` and ``steps`` are
 #: keywords of the callback itself).
 RECORDER_KEYWORDS = tuple(p for p in inspect.signature(Recorder).parameters if p not in ("run_dir", "every", "steps"))
+
+
+def missing_extra(extra: str, framework: str, error: ImportError) -> MissingDependencyError:
+    """The error an integration module raises when its framework cannot be imported: it names
+    the extra that installs it (``pip install 'hookline[<extra>]'``)."""
+    return MissingDependencyError(
+        f"hookline.tracker.integrations.{extra} needs {framework}: pip install 'hookline[{extra}]' "
+        f"(import failed: {error})")
 
 
 def _check_patterns(kind: str, value: Any) -> tuple[str, ...] | None:

@@ -17,17 +17,12 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
-from hookline.storage.errors import MissingDependencyError
-
-from .session import SessionCallback
+from .session import SessionCallback, missing_extra
 
 try:
     from transformers import Trainer, TrainerCallback
 except ImportError as e:  # the core install does not include transformers
-    raise MissingDependencyError(
-        "hookline.tracker.integrations.transformers needs Hugging Face transformers: "
-        f"pip install 'hookline[transformers]' (import failed: {e})"
-    ) from e
+    raise missing_extra("transformers", "Hugging Face transformers", e) from e
 
 __all__ = ["HooklineCallback"]
 
