@@ -26,6 +26,7 @@ __all__ = [
     "FormatError",
     "TrackingError",
     "TrackingUnreachableError",
+    "MissingDependencyError",
 ]
 
 
@@ -90,3 +91,8 @@ class TrackingUnreachableError(TrackingError, ConnectionError):
     """The MLflow tracking server does not answer (refused, unresolvable, timed out): also an
     ``OSError``/``ConnectionError``. Recorded files stay on disk; ``hookline sync`` uploads them
     later."""
+
+
+class MissingDependencyError(HooklineError, ImportError):
+    """An optional part of hookline was used without the package it needs; the message names the
+    extra to install (e.g. ``pip install 'hookline[transformers]'``)."""

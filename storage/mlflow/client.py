@@ -13,7 +13,7 @@ from typing import Any
 
 from ..errors import HookTypeError, InvalidArgumentError, TrackingError, TrackingUnreachableError, UnknownNameError
 
-__all__ = ["REACH_TIMEOUT_S", "connect", "check_reachable", "tracking_uri_of", "get_run", "short_error"]
+__all__ = ["REACH_TIMEOUT_S", "connect", "check_reachable", "tracking_uri_of", "get_run", "short_error", "active_run"]
 
 #: Seconds a tracking server gets to answer hookline's reachability check before a pass or a
 #: command gives up (``$HOOKLINE_MLFLOW_TIMEOUT``). MLflow itself retries a refused connection for
@@ -161,3 +161,16 @@ def short_error(e: BaseException) -> str:
     text = str(e).strip().splitlines()
     first = text[0] if text else type(e).__name__
     return f"{type(e).__name__}: {first[:500]}"
+
+
+def active_run() -> tuple[str | None, str]:
+    """The run and the store that MLflow's fluent API writes to in this thread: the id of the
+    active run (None when there is none) and the fluent tracking URI.
+
+    That is where a framework that logs through ``mlflow.start_run``/``mlflow.log_*`` (Hugging
+    Face's ``MLflowCallback``) puts its metrics; hookline itself never uses the fluent API.
+    """
+    import mlflow
+
+    run = mlflow.active_run()
+    return (run.info.run_id if run is not None else None), mlflow.get_tracking_uri()

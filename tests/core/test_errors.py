@@ -20,6 +20,7 @@ BUILTIN = {
     "RecordIndexError": IndexError,
     "TrackingError": RuntimeError,
     "TrackingUnreachableError": ConnectionError,
+    "MissingDependencyError": ImportError,
 }
 
 

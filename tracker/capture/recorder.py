@@ -286,8 +286,13 @@ class Recorder:
         storage: WriterStats = self._writer.stats()
         return self._bindings.summary(str(self.run_dir), storage, self.mlflow_run_id)
 
-    def close(self) -> RecorderSummary:
+    def close(self, *, check_ranks: bool = True) -> RecorderSummary:
         """Flush, close the files, upload to MLflow if configured; idempotent.
+
+        Args:
+            check_ranks: under ``torch.distributed``, compare the ranks' handle sets (a
+                collective: every rank must close). ``False`` closes this rank alone, e.g.
+                after an exception that the other ranks may not have seen.
 
         Returns:
             The :class:`RecorderSummary` (also logged at INFO level on the ``hookline`` logger).
@@ -316,7 +321,8 @@ class Recorder:
             failure = failure or e
         # Every rank must have recorded the same handles (checked after the files are complete).
         # The check is a collective: it runs even when this rank failed, so no rank hangs.
-        check_same_handles(self._dist, self._bindings.handle_ids())
+        if check_ranks:
+            check_same_handles(self._dist, self._bindings.handle_ids())
         if failure is not None:
             raise failure
         summary = self.summary()
