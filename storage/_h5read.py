@@ -208,6 +208,29 @@ def _str_attr(attrs: Any, key: str, where: str) -> str:
     return _attr_str(v)
 
 
+#: Root attributes that are strings when present (docs/format.md section 3.1).
+_STR_ATTRS = ("key", "module_name", "module_type", "category", "hook_fn_name", "hookline_version", "created",
+              "run_uuid", "run_created")
+
+
+def _check_root_attrs(a: dict[str, Any], where: str) -> None:
+    """The registration attributes have their types; ``meta``/``run_meta`` are JSON objects."""
+    for k in _STR_ATTRS:
+        if k in a:
+            _str_attr(a, k, where)
+    for k in ("rank", "world_size"):
+        if k in a:
+            _int_attr(a, k, where, -1, 1 << 31)
+    for k in ("meta", "run_meta"):
+        if k in a:
+            try:
+                obj = json.loads(_str_attr(a, k, where))
+            except (ValueError, RecursionError):
+                obj = None
+            if not isinstance(obj, dict):
+                raise _damaged(where, f"attribute {k!r} is {a[k]!r:.60}, expected a JSON object")
+
+
 def _index_ds(st: Structure, name: str, count: int, where: str, cols: int | None = None) -> None:
     """Check index dataset ``name``: 1-D (2-D with ``cols`` columns) with at least ``count`` rows."""
     shape = st.shapes.get(name)
@@ -472,6 +495,7 @@ class Part:
             raise FormatError(
                 f"{w!r} has format_version {version}; this hookline reads <= {FORMAT_VERSION}: upgrade hookline"
             )
+        _check_root_attrs(a, w)
         self.attrs = a
         self.field_names: list[str] = _field_names(a.get("fields", "[]"), w, st)
         _index_ds(st, "step", self.n, w)
