@@ -2,8 +2,9 @@
 
 Parts are opened read-only without a chunk cache; :class:`FileLRU` bounds how many a reader keeps
 open. The layout is described in docs/format.md; the reader, verify and merges read through here,
-so this is where a file that hookline did not write is refused: :func:`check_structure` walks the
-file's objects once at open (no data read) and the index arrays are checked when first loaded.
+so this is where a file that hookline did not write is refused: :func:`open_part` runs
+:func:`~._h5check.check_structure` first (no data read), :class:`Part` and :class:`PartField`
+check the attributes and index shapes at open, and every index array is checked when loaded.
 """
 
 from __future__ import annotations
@@ -18,194 +19,32 @@ from typing import Any
 
 import h5py
 import numpy as np
-from h5py import h5a, h5d, h5g, h5l, h5o, h5t
 
 from . import dtypes
 from ._filters import ensure_filters
+from ._h5check import HINT, Structure, attr_str, check_structure, damaged
 from .errors import FormatError, HooklineError, StorageError
 from .format import FILE_FORMAT, FORMAT_VERSION, INDEX_GROUP, MAX_STEP, check_field_name
 
-__all__ = ["FileLRU", "Part", "PartField", "Structure", "open_part", "check_structure", "MAX_CHUNK_BYTES"]
+__all__ = ["FileLRU", "Part", "PartField", "open_part"]
 
-#: HDF5 compression filters a part may use (one per dataset), by filter id: name and the largest
-#: factor by which it can shrink data (deflate 1032, lzf ~88, lz4 ~255, zstd ~32768 on all-zero
-#: chunks; with a margin). A dataset may declare at most that many times the file's size.
-_COMPRESSORS = {1: ("gzip", 1100), 32000: ("lzf", 100), 32004: ("lz4", 300), 32015: ("zstd", 40000)}
-#: Filters that only reorder or checksum bytes (allowed with or without a compressor).
-_TRANSFORMS = {2: "shuffle", 3: "fletcher32"}
-#: Largest chunk a part may declare, in bytes (hookline writes data chunks of at most 4 MiB and
-#: ragged shape-index chunks of at most 65536 x ndim x 8 bytes).
-MAX_CHUNK_BYTES = 64 << 20
 #: Most dimensions a field's entries may have (torch allows 64).
 _MAX_NDIM = 64
-#: Where a part's error messages point the user.
-_HINT = "(the file is damaged or was not written by hookline; `hookline verify --repair` moves it aside)"
-_HOW = {h5d.COMPACT: "compact", h5d.CONTIGUOUS: "contiguous", h5d.CHUNKED: "chunked"}
-
-
-def _damaged(where: str, what: str) -> FormatError:
-    return FormatError(f"{where!r}: {what} {_HINT}")
-
-
-class Structure:
-    """What :func:`check_structure` found (all checked): the shape, filters and attributes of every
-    dataset, and the attributes of every group, by HDF5 path without the leading ``/`` (the
-    root group is ``""``). Attributes are read here once, strings decoded."""
-
-    __slots__ = ("shapes", "dtypes", "filters", "attrs")
-
-    def __init__(self) -> None:
-        self.shapes: dict[str, tuple[int, ...]] = {}
-        self.dtypes: dict[str, np.dtype] = {}
-        self.filters: dict[str, list[str]] = {}
-        self.attrs: dict[str, dict[str, Any]] = {}
-
-
-def check_structure(f: h5py.File, where: str) -> Structure:
-    """Refuse a file holding anything a hookline part never holds that could make a read leave
-    the file or allocate without bound. Walks every link and object once with HDF5's low-level
-    calls and reads every attribute (no dataset data).
-
-    Refused: soft, external and user-defined links (never followed); datasets with external raw
-    storage and virtual datasets; datasets of other than plain numeric types (references,
-    variable-length, compound...) and attributes of other than numbers or strings; filters
-    other than one of deflate, lzf, lz4 and zstd plus shuffle and fletcher32; chunks over
-    :data:`MAX_CHUNK_BYTES`; a dataset declaring more bytes than its compressor can expand the
-    file's size to (an index dataset, which hookline stores uncompressed: more than the file's
-    size); an attribute larger than the file.
-
-    Returns:
-        The file's :class:`Structure`.
-
-    Raises:
-        FormatError: what was refused, naming the file and the object.
-    """
-    fid = f.id
-    size = int(fid.get_filesize())
-    links: list[tuple[bytes, int]] = []
-    fid.links.visit(lambda name, info: links.append((name, info.type)), info=True)
-    st = Structure()
-    st.attrs[""] = _read_attrs(fid, "/", size, where)
-    for raw, kind in links:
-        name = raw.decode("utf-8", "surrogateescape")
-        if kind != h5l.TYPE_HARD:
-            raise _damaged(where, f"{name!r} is {_link_text(fid, raw, kind)}; hookline files hold only hard "
-                                  f"links and it is not followed")
-        oid = h5o.open(fid, raw)
-        if isinstance(oid, h5d.DatasetID):
-            st.shapes[name], st.filters[name] = _check_dataset(oid, name, size, where)
-            st.dtypes[name] = oid.dtype
-        elif not isinstance(oid, h5g.GroupID):
-            raise _damaged(where, f"{name!r} is a {type(oid).__name__}, not a group or dataset")
-        st.attrs[name] = _read_attrs(oid, name, size, where)
-    return st
-
-
-def _link_text(fid: h5py.h5f.FileID, raw: bytes, kind: int) -> str:
-    """What a link that is not a hard link points to, for the message (never resolved)."""
-    what = {h5l.TYPE_SOFT: "a soft link", h5l.TYPE_EXTERNAL: "an external link"}.get(kind, "a user-defined link")
-    try:
-        val = fid.links.get_val(raw)
-    except Exception:  # (the message must not fail on what it describes)
-        return what
-    if isinstance(val, tuple):
-        val = b":".join(val)
-    return f"{what} to {val.decode('utf-8', 'replace') if isinstance(val, bytes) else val!r}"
-
-
-def _plain_numeric(dt: np.dtype) -> bool:
-    return dt.kind in "biufc" and dt.fields is None and dt.subdtype is None
-
-
-def _type_name(dt: np.dtype) -> str:
-    if h5py.check_dtype(ref=dt) is not None:
-        return "object/region references"
-    if h5py.check_dtype(vlen=dt) is not None:
-        return "variable-length data"
-    return f"values of HDF5 type {dt}"
-
-
-def _read_attrs(oid: Any, name: str, size: int, where: str) -> dict[str, Any]:
-    """Every attribute of object ``oid`` (numbers or strings, each smaller than the file), read."""
-    out: dict[str, Any] = {}
-    for i in range(h5a.get_num_attrs(oid)):
-        aid = h5a.open(oid, index=i)
-        key = aid.name.decode("utf-8", "surrogateescape")
-        dt = aid.dtype
-        vlen = dt.kind == "O" and h5py.check_string_dtype(dt) is not None
-        if not (_plain_numeric(dt) or dt.kind == "S" or vlen):
-            raise _damaged(where, f"attribute {key!r} of {name!r} holds {_type_name(dt)}")
-        shape = aid.shape
-        if shape is None:  # (an empty attribute: HDF5's null dataspace)
-            out[key] = np.zeros(0, dt if not vlen else object)
-            continue
-        if math.prod(shape) * dt.itemsize > size:
-            raise _damaged(where, f"attribute {key!r} of {name!r} declares shape {shape}, larger than the "
-                                  f"file ({size} bytes)")
-        arr = np.zeros(shape, dtype=dt)
-        if arr.size:
-            aid.read(arr, mtype=h5t.py_create(dt))
-        if vlen or dt.kind == "S":
-            arr = np.array([_attr_str(b) for b in arr.flat], dtype=object).reshape(arr.shape)
-        out[key] = arr[()] if arr.ndim == 0 else arr
-    return out
-
-
-def _check_dataset(oid: h5d.DatasetID, name: str, size: int, where: str) -> tuple[tuple[int, ...], list[str]]:
-    """Layout, storage, type, filters and declared size of one dataset (see :func:`check_structure`);
-    returns its shape and filter names."""
-    dcpl = oid.get_create_plist()
-    layout = dcpl.get_layout()
-    if layout not in _HOW:
-        raise _damaged(where, f"dataset {name!r} is a virtual dataset (its data would come from other "
-                              f"files); it is not read")
-    if dcpl.get_external_count():
-        ext = dcpl.get_external(0)[0]
-        ext = ext.decode("utf-8", "replace") if isinstance(ext, bytes) else ext
-        raise _damaged(where, f"dataset {name!r} stores its data outside the file (HDF5 external storage "
-                              f"in {ext!r}); it is not read")
-    dt = oid.dtype
-    if not _plain_numeric(dt):
-        raise _damaged(where, f"dataset {name!r} holds {_type_name(dt)}; hookline stores numbers only")
-    codes = [dcpl.get_filter(i)[0] for i in range(dcpl.get_nfilters())]
-    unknown = [c for c in codes if c not in _COMPRESSORS and c not in _TRANSFORMS]
-    comps = [c for c in codes if c in _COMPRESSORS]
-    if unknown or len(comps) > 1:
-        allowed = ", ".join(n for n, _ in _COMPRESSORS.values())
-        raise _damaged(where, f"dataset {name!r} uses HDF5 filters {codes}; a part may use one of {allowed} "
-                              f"(plus shuffle, fletcher32)")
-    index = name in ("step", "call") or name.startswith(INDEX_GROUP + "/")
-    factor = 1 if index or not comps else _COMPRESSORS[comps[0]][1]
-    shape = oid.shape
-    nbytes = math.prod(shape) * dt.itemsize
-    if nbytes > size * factor:
-        raise _damaged(where, f"dataset {name!r} declares shape {shape} ({nbytes} bytes), more than a file "
-                              f"of {size} bytes can hold")
-    if layout == h5d.CHUNKED and math.prod(dcpl.get_chunk()) * dt.itemsize > MAX_CHUNK_BYTES:
-        raise _damaged(where, f"dataset {name!r} declares chunks {dcpl.get_chunk()} over "
-                              f"{MAX_CHUNK_BYTES >> 20} MiB")
-    return shape, [_COMPRESSORS[c][0] if c in _COMPRESSORS else _TRANSFORMS[c] for c in codes]
-
-
-def _attr_str(a: Any) -> str:
-    if isinstance(a, bytes):
-        return a.decode("utf-8", "surrogateescape")
-    return str(a)
 
 
 def _int_attr(attrs: Any, key: str, where: str, lo: int = 0, hi: int = MAX_STEP) -> int:
     """Attribute ``key`` as an int in ``[lo, hi]``."""
     v = attrs[key]
     if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)) or not lo <= int(v) <= hi:
-        raise _damaged(where, f"attribute {key!r} is {v!r:.60}, expected an integer from {lo} to {hi}")
+        raise damaged(where, f"attribute {key!r} is {v!r:.60}, expected an integer from {lo} to {hi}")
     return int(v)
 
 
 def _str_attr(attrs: Any, key: str, where: str) -> str:
     v = attrs[key]
     if not isinstance(v, (str, bytes)):
-        raise _damaged(where, f"attribute {key!r} is {v!r:.60}, expected a string")
-    return _attr_str(v)
+        raise damaged(where, f"attribute {key!r} is {v!r:.60}, expected a string")
+    return attr_str(v)
 
 
 #: Root attributes that are strings when present (docs/format.md section 3.1).
@@ -228,7 +67,7 @@ def _check_root_attrs(a: dict[str, Any], where: str) -> None:
             except (ValueError, RecursionError):
                 obj = None
             if not isinstance(obj, dict):
-                raise _damaged(where, f"attribute {k!r} is {a[k]!r:.60}, expected a JSON object")
+                raise damaged(where, f"attribute {k!r} is {a[k]!r:.60}, expected a JSON object")
 
 
 def _index_ds(st: Structure, name: str, count: int, where: str, cols: int | None = None) -> None:
@@ -237,7 +76,7 @@ def _index_ds(st: Structure, name: str, count: int, where: str, cols: int | None
     want = (count,) if cols is None else (count, cols)
     if shape is None or len(shape) != len(want) or shape[0] < count or shape[1:] != want[1:]:
         got = "missing" if shape is None else f"of shape {shape}"
-        raise _damaged(where, f"index dataset {name!r} is {got}, expected {want}")
+        raise damaged(where, f"index dataset {name!r} is {got}, expected {want}")
 
 
 def _field_names(text: Any, where: str, st: Structure) -> list[str]:
@@ -247,14 +86,14 @@ def _field_names(text: Any, where: str, st: Structure) -> list[str]:
     except (TypeError, ValueError):
         names = None
     if not isinstance(names, list) or not all(isinstance(n, str) for n in names) or len(set(names)) != len(names):
-        raise _damaged(where, f"attribute 'fields' is {text!r:.80}, expected a JSON list of distinct field names")
+        raise damaged(where, f"attribute 'fields' is {text!r:.80}, expected a JSON list of distinct field names")
     for nm in names:
         try:
             check_field_name(nm)
         except HooklineError:
-            raise _damaged(where, f"attribute 'fields' lists {nm!r:.80}, which is not a field name") from None
+            raise damaged(where, f"attribute 'fields' lists {nm!r:.80}, which is not a field name") from None
         if nm not in st.shapes:
-            raise _damaged(where, f"field {nm!r} (in attribute 'fields') has no dataset")
+            raise damaged(where, f"field {nm!r} (in attribute 'fields') has no dataset")
     return names
 
 
@@ -268,13 +107,13 @@ def _ragged_sizes(offs: np.ndarray, shps: np.ndarray, extent: int, where: str, n
     what = f"field {name!r}: ragged index:"
     neg = np.nonzero((shps < 0).any(axis=1))[0]
     if neg.size:
-        raise _damaged(where, f"{what} entry {int(neg[0])} has shape {tuple(shps[neg[0]].tolist())}")
+        raise damaged(where, f"{what} entry {int(neg[0])} has shape {tuple(shps[neg[0]].tolist())}")
     # (float first: a product of corrupt dimensions must not wrap around in int64)
     fsz = np.prod(shps.astype(np.float64), axis=1) if shps.shape[1] else np.ones(n)
     big = np.nonzero(fsz > extent)[0]
     if big.size:
         j = int(big[0])
-        raise _damaged(where, f"{what} entry {j} has shape {tuple(shps[j].tolist())}, more elements than the "
+        raise damaged(where, f"{what} entry {j} has shape {tuple(shps[j].tolist())}, more elements than the "
                               f"field's data ({extent})")
     sizes = np.prod(shps, axis=1) if shps.shape[1] else np.ones(n, np.int64)
     ends = offs + sizes
@@ -282,10 +121,10 @@ def _ragged_sizes(offs: np.ndarray, shps: np.ndarray, extent: int, where: str, n
     if offs[0] < 0 or gap.size:
         j = int(gap[0]) + 1 if offs[0] >= 0 else 0
         expected = int(ends[j - 1]) if j else 0
-        raise _damaged(where, f"{what} entry {j} starts at element {int(offs[j])}, expected {expected} "
+        raise damaged(where, f"{what} entry {j} starts at element {int(offs[j])}, expected {expected} "
                               f"(entries are stored one after another; shape or offset corrupt)")
     if int(ends[-1]) > extent:
-        raise _damaged(where, f"{what} entries end at element {int(ends[-1])}, beyond the field's data ({extent})")
+        raise damaged(where, f"{what} entries end at element {int(ends[-1])}, beyond the field's data ({extent})")
     return sizes
 
 
@@ -310,14 +149,14 @@ class PartField:
             self.count = _int_attr(at, "records", w, 0, part.n)
             shape_attr = at["shape"] if self.layout == "fixed" else None
         except KeyError as e:
-            raise FormatError(f"{w!r}: field {name!r} lacks attribute {e} {_HINT}") from None
+            raise FormatError(f"{w!r}: field {name!r} lacks attribute {e} {HINT}") from None
         info = dtypes.lookup(self.dtype_name)
         if info is None:
-            raise _damaged(w, f"field {name!r} has unknown dtype {self.dtype_name!r:.60}")
+            raise damaged(w, f"field {name!r} has unknown dtype {self.dtype_name!r:.60}")
         self.info = info
         stored = st.dtypes[name]
         if stored.newbyteorder("=") != info.storage:
-            raise _damaged(w, f"field {name!r} ({self.dtype_name}) is stored as {stored}, expected {info.storage}")
+            raise damaged(w, f"field {name!r} ({self.dtype_name}) is stored as {stored}, expected {info.storage}")
         ensure_filters(st.filters[name])
         shape = st.shapes[name]
         idx = f"{INDEX_GROUP}/{name}/"
@@ -325,19 +164,19 @@ class PartField:
         if self.layout == "fixed":
             shp = np.asarray(shape_attr)
             if shp.shape != (self.ndim,) or (shp.size and shp.dtype.kind not in "iu") or (shp < 0).any():
-                raise _damaged(w, f"field {name!r} has attribute shape {shape_attr!r:.60} for ndim {self.ndim}")
+                raise damaged(w, f"field {name!r} has attribute shape {shape_attr!r:.60} for ndim {self.ndim}")
             self.shape: tuple[int, ...] | None = tuple(int(x) for x in shp)
             if shape[1:] != self.shape or shape[0] < self.count:
-                raise _damaged(w, f"field {name!r}: dataset shape {shape} != attributes (shape {self.shape}, "
+                raise damaged(w, f"field {name!r}: dataset shape {shape} != attributes (shape {self.shape}, "
                                   f"{self.count} records)")
         elif self.layout == "ragged":
             self.shape = None
             if len(shape) != 1:
-                raise _damaged(w, f"field {name!r}: ragged data of shape {shape}, expected 1-D")
+                raise damaged(w, f"field {name!r}: ragged data of shape {shape}, expected 1-D")
             _index_ds(st, idx + "offset", self.count, w)
             _index_ds(st, idx + "shape", self.count, w, self.ndim)
         else:
-            raise _damaged(w, f"field {name!r} has unknown layout {self.layout!r:.60}")
+            raise damaged(w, f"field {name!r} has unknown layout {self.layout!r:.60}")
         self._has_norm = idx + "norm" in st.shapes
         if self._has_norm:
             _index_ds(st, idx + "norm", self.count, w)
@@ -361,7 +200,7 @@ class PartField:
         """Index dataset ``name``'s first :attr:`count` rows, as int64 (float64 for norms)."""
         arr = self._g()[name][: self.count]
         if len(arr) != self.count:
-            raise _damaged(self._where, f"field {self.name!r}: index {name!r} has {len(arr)} entries, "
+            raise damaged(self._where, f"field {self.name!r}: index {name!r} has {len(arr)} entries, "
                                         f"expected {self.count}")
         return arr.astype(np.float64 if name == "norm" else np.int64)
 
@@ -373,7 +212,7 @@ class PartField:
             rec = self._load("record")
             start, n = self.part.record_start, self.part.n
             if rec.size and (rec[0] < start or rec[-1] >= start + n or np.any(np.diff(rec) <= 0)):
-                raise _damaged(self._where, f"field {self.name!r}: record numbers out of range "
+                raise damaged(self._where, f"field {self.name!r}: record numbers out of range "
                                             f"[{start}, {start + n}) or not increasing")
             self._records = rec
         return self._records
@@ -511,7 +350,7 @@ class Part:
     def _index(self, name: str) -> np.ndarray:
         arr = self.f[name][: self.n].astype(np.int64)
         if len(arr) != self.n:
-            raise _damaged(str(self.path), f"{name!r} has {len(arr)} entries, expected {self.n}")
+            raise damaged(str(self.path), f"{name!r} has {len(arr)} entries, expected {self.n}")
         return arr
 
     @property
@@ -604,4 +443,4 @@ def open_part(path: Path, lru: FileLRU | None = None) -> Part:
         if isinstance(e, (HooklineError, MemoryError)) or not isinstance(e, Exception):
             raise
         # (HDF5 reading damaged metadata: OSError, RuntimeError, KeyError, UnicodeDecodeError...)
-        raise _damaged(str(path), f"cannot read its structure: {type(e).__name__}: {e}") from e
+        raise damaged(str(path), f"cannot read its structure: {type(e).__name__}: {e}") from e
