@@ -19,7 +19,7 @@ from h5py import h5a, h5d, h5g, h5l, h5o, h5t
 from .errors import FormatError
 from .format import INDEX_GROUP
 
-__all__ = ["Structure", "check_structure", "damaged", "attr_str", "HINT", "MAX_CHUNK_BYTES"]
+__all__ = ["Structure", "check_structure", "root_attrs", "damaged", "attr_str", "HINT", "MAX_CHUNK_BYTES"]
 
 #: HDF5 compression filters a part may use (one per dataset), by filter id: name and the largest
 #: factor by which it can shrink data (deflate 1032, lzf ~88, lz4 ~255, zstd ~32768 on all-zero
@@ -92,6 +92,17 @@ def check_structure(f: h5py.File, where: str) -> Structure:
             raise damaged(where, f"{name!r} is a {type(oid).__name__}, not a group or dataset")
         st.attrs[name] = _read_attrs(oid, name, size, where)
     return st
+
+
+def root_attrs(f: h5py.File, where: str) -> dict[str, Any]:
+    """The root attributes of ``f``, checked as :func:`check_structure` checks them (numbers or
+    strings, none larger than the file), strings decoded: for a glance at a file (its handle and
+    record range) without the whole walk.
+
+    Raises:
+        FormatError: an attribute of another type or larger than the file.
+    """
+    return _read_attrs(f.id, "/", int(f.id.get_filesize()), where)
 
 
 def _link_text(fid: h5py.h5f.FileID, raw: bytes, kind: int) -> str:

@@ -16,6 +16,7 @@ from typing import Any
 import h5py
 import numpy as np
 
+from ._h5check import root_attrs
 from .format import FILE_FORMAT, FORMAT_VERSION, RUN_FORMAT, rank_suffix
 
 __all__ = ["synthesise_manifests"]
@@ -35,7 +36,7 @@ def synthesise_manifests(root: Path) -> list[dict[str, Any]]:
     for p in sorted(list(root.rglob("*.h5")) + list(root.rglob("*.h5seg"))):
         try:
             with h5py.File(p, "r", rdcc_nbytes=0) as f:
-                a = {k: (v.decode() if isinstance(v, bytes) else v) for k, v in f.attrs.items()}
+                a = root_attrs(f, str(p))
         except Exception:  # (not HDF5, or damaged: verify reports the files of a handle it knows)
             continue
         hid, key = a.get("handle_id"), a.get("key")
