@@ -73,6 +73,8 @@ def export(run: str, handle: str, field: str, fmt: str, out: str, steps_spec: st
     note = damage_note(h)
     if note and field not in h.fields:
         raise click.ClickException(f"cannot export {field!r}: {note}")
+    if note:
+        click.echo(f"warning: {note}", err=True)  # (exported: the readable records)
     f = h[field]
     steps, calls = f.steps, f.calls
     idx = np.arange(len(steps))

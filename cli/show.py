@@ -40,6 +40,7 @@ def handle_info(run: Run, hid: str) -> dict[str, Any]:
     from hookline.storage.blocks import damage_note
 
     h = run[hid]
+    warning = damage_note(h)  # (first: it opens the files, their damage is reported once, here)
     fields = []
     for name in h.fields:
         f = h[name]
@@ -64,7 +65,7 @@ def handle_info(run: Run, hid: str) -> dict[str, Any]:
         "ranks": ranks,
         "bytes": h.file_bytes,
         "fields": fields,
-        "warning": damage_note(h),
+        "warning": warning,
     }
 
 

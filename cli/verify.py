@@ -9,6 +9,13 @@ import click
 from .options import CONTEXT_SETTINGS, clean_json, console, echo_json, json_option, safe_text
 
 
+class RepairedDamage(click.ClickException):
+    """``verify --repair`` made the run consistent but moved files aside or gave records up:
+    exit status 3 (1 means problems remain)."""
+
+    exit_code = 3
+
+
 @click.command(context_settings=CONTEXT_SETTINGS, short_help='Check a run directory; --repair fixes what it can.')
 @click.argument("run_dir", metavar="RUN_DIR", type=click.Path(file_okay=False))
 @click.option("--repair", is_flag=True,
@@ -17,9 +24,10 @@ from .options import CONTEXT_SETTINGS, clean_json, console, echo_json, json_opti
 def verify(run_dir: str, repair: bool, as_json: bool) -> None:
     """Check a run directory: which handles and records survived, what is broken.
 
-    Opens every handle file, counts readable records, and compares them with the manifest.
-    With --repair, also fixes what can be fixed (e.g. after the training process was killed).
-    Exits non-zero when problems remain.
+    Opens every handle file, checks every record's index entries, counts readable records, and
+    compares them with the manifest. With --repair, also fixes what can be fixed (e.g. after the
+    training process was killed). Exit status: 0 nothing found; 1 problems remain; 3 repaired,
+    but files were moved to the quarantine or records lost.
 
     \b
     Example:
@@ -28,6 +36,7 @@ def verify(run_dir: str, repair: bool, as_json: bool) -> None:
       hookline verify runs/baseline --json
     """
     from hookline.storage import verify as storage_verify
+    from hookline.storage.verify import QUARANTINE_DIR
 
     if not os.path.isdir(run_dir):
         raise click.ClickException(f"run directory {run_dir!r} does not exist")
@@ -42,3 +51,9 @@ def verify(run_dir: str, repair: bool, as_json: bool) -> None:
             f"run directory {run_dir!r} has problems"
             + ("" if repair else "; run `hookline verify --repair` to fix what can be fixed")
         )
+    if not report.clean:
+        lost = sum(1 for h in report.handles if h.lost)
+        what = [f"{len(report.moved)} file(s) moved to {QUARANTINE_DIR}/"] if report.moved else []
+        what += [f"records lost in {lost} handle(s)"] if lost else []
+        raise RepairedDamage(f"run directory {run_dir!r} was repaired, but damage was found ({', '.join(what)}); "
+                             f"it now verifies clean")

@@ -1,7 +1,10 @@
 """Reading one complete handle part: :func:`open_part` -> :class:`Part` -> :class:`PartField`.
 
 Parts are opened read-only without a chunk cache; :class:`FileLRU` bounds how many a reader keeps
-open. The layout is described in docs/format.md; the reader, verify and merges read through here.
+open. The layout is described in docs/format.md; the reader, verify and merges read through here,
+so this is where a file that hookline did not write is refused: :func:`open_part` runs
+:func:`~._h5check.check_structure` first (no data read), :class:`Part` and :class:`PartField`
+check the attributes and index shapes at open, and every index array is checked when loaded.
 """
 
 from __future__ import annotations
@@ -19,44 +22,164 @@ import numpy as np
 
 from . import dtypes
 from ._filters import ensure_filters
-from .errors import FormatError, StorageError
-from .format import FILE_FORMAT, FORMAT_VERSION, INDEX_GROUP
+from ._h5check import HINT, Structure, attr_str, check_structure, damaged
+from .errors import FormatError, HooklineError, StorageError
+from .format import FILE_FORMAT, FORMAT_VERSION, INDEX_GROUP, MAX_STEP, check_field_name
 
 __all__ = ["FileLRU", "Part", "PartField", "open_part"]
 
+#: Most dimensions a field's entries may have (torch allows 64).
+_MAX_NDIM = 64
 
-def _attr_str(a: Any) -> str:
-    if isinstance(a, bytes):
-        return a.decode("utf-8")
-    return str(a)
+
+def _int_attr(attrs: Any, key: str, where: str, lo: int = 0, hi: int = MAX_STEP) -> int:
+    """Attribute ``key`` as an int in ``[lo, hi]``."""
+    v = attrs[key]
+    if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)) or not lo <= int(v) <= hi:
+        raise damaged(where, f"attribute {key!r} is {v!r:.60}, expected an integer from {lo} to {hi}")
+    return int(v)
+
+
+def _str_attr(attrs: Any, key: str, where: str) -> str:
+    v = attrs[key]
+    if not isinstance(v, (str, bytes)):
+        raise damaged(where, f"attribute {key!r} is {v!r:.60}, expected a string")
+    return attr_str(v)
+
+
+#: Root attributes that are strings when present (docs/format.md section 3.1).
+_STR_ATTRS = ("key", "module_name", "module_type", "category", "hook_fn_name", "hookline_version", "created",
+              "run_uuid", "run_created")
+
+
+def _check_root_attrs(a: dict[str, Any], where: str) -> None:
+    """The registration attributes have their types; ``meta``/``run_meta`` are JSON objects."""
+    for k in _STR_ATTRS:
+        if k in a:
+            _str_attr(a, k, where)
+    for k in ("rank", "world_size"):
+        if k in a:
+            _int_attr(a, k, where, -1, 1 << 31)
+    for k in ("meta", "run_meta"):
+        if k in a:
+            try:
+                obj = json.loads(_str_attr(a, k, where))
+            except (ValueError, RecursionError):
+                obj = None
+            if not isinstance(obj, dict):
+                raise damaged(where, f"attribute {k!r} is {a[k]!r:.60}, expected a JSON object")
+
+
+def _index_ds(st: Structure, name: str, count: int, where: str, cols: int | None = None) -> None:
+    """Check index dataset ``name``: 1-D (2-D with ``cols`` columns) with at least ``count`` rows."""
+    shape = st.shapes.get(name)
+    want = (count,) if cols is None else (count, cols)
+    if shape is None or len(shape) != len(want) or shape[0] < count or shape[1:] != want[1:]:
+        got = "missing" if shape is None else f"of shape {shape}"
+        raise damaged(where, f"index dataset {name!r} is {got}, expected {want}")
+
+
+def _field_names(text: Any, where: str, st: Structure) -> list[str]:
+    """The root attribute ``fields``: a JSON list of distinct field names, each a dataset."""
+    try:
+        names = json.loads(text)
+    except (TypeError, ValueError):
+        names = None
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names) or len(set(names)) != len(names):
+        raise damaged(where, f"attribute 'fields' is {text!r:.80}, expected a JSON list of distinct field names")
+    for nm in names:
+        try:
+            check_field_name(nm)
+        except HooklineError:
+            raise damaged(where, f"attribute 'fields' lists {nm!r:.80}, which is not a field name") from None
+        if nm not in st.shapes:
+            raise damaged(where, f"field {nm!r} (in attribute 'fields') has no dataset")
+    return names
+
+
+def _ragged_sizes(offs: np.ndarray, shps: np.ndarray, extent: int, where: str, name: str) -> np.ndarray:
+    """Elements of every entry of a ragged field, after checking its whole index: shapes are
+    non-negative, entries lie one after another (``offset[j+1] == offset[j] + size[j]``, as every
+    hookline writer and merge stores them) and inside the field's ``extent`` elements."""
+    n = len(offs)
+    if n == 0:
+        return np.zeros(0, np.int64)
+    what = f"field {name!r}: ragged index:"
+    neg = np.nonzero((shps < 0).any(axis=1))[0]
+    if neg.size:
+        raise damaged(where, f"{what} entry {int(neg[0])} has shape {tuple(shps[neg[0]].tolist())}")
+    # (float first: a product of corrupt dimensions must not wrap around in int64)
+    fsz = np.prod(shps.astype(np.float64), axis=1) if shps.shape[1] else np.ones(n)
+    big = np.nonzero(fsz > extent)[0]
+    if big.size:
+        j = int(big[0])
+        raise damaged(where, f"{what} entry {j} has shape {tuple(shps[j].tolist())}, more elements than the "
+                              f"field's data ({extent})")
+    sizes = np.prod(shps, axis=1) if shps.shape[1] else np.ones(n, np.int64)
+    ends = offs + sizes
+    gap = np.nonzero(offs[1:] != ends[:-1])[0]
+    if offs[0] < 0 or gap.size:
+        j = int(gap[0]) + 1 if offs[0] >= 0 else 0
+        expected = int(ends[j - 1]) if j else 0
+        raise damaged(where, f"{what} entry {j} starts at element {int(offs[j])}, expected {expected} "
+                              f"(entries are stored one after another; shape or offset corrupt)")
+    if int(ends[-1]) > extent:
+        raise damaged(where, f"{what} entries end at element {int(ends[-1])}, beyond the field's data ({extent})")
+    return sizes
 
 
 class PartField:
-    """One field inside one complete file; index arrays load on first use."""
+    """One field inside one complete file; index arrays load (and are checked) on first use.
 
-    def __init__(self, part: Part, name: str, ds: h5py.Dataset) -> None:
+    Raises:
+        FormatError: (constructor) the field's attributes or index datasets are inconsistent.
+    """
+
+    def __init__(self, part: Part, name: str, st: Structure) -> None:
         self.part = part
         self.name = name
-        self._ds = ds
+        self._ds: h5py.Dataset | None = None
         self._gen = part.generation
-        at = ds.attrs
+        w = self._where = str(part.path)
+        at = st.attrs[name]
         try:
-            self.dtype_name = _attr_str(at["dtype"])
-            self.layout = _attr_str(at["layout"])
-            self.ndim = int(at["ndim"])
-            self.count = int(at["records"])
+            self.dtype_name = _str_attr(at, "dtype", w)
+            self.layout = _str_attr(at, "layout", w)
+            self.ndim = _int_attr(at, "ndim", w, 0, _MAX_NDIM)
+            self.count = _int_attr(at, "records", w, 0, part.n)
+            shape_attr = at["shape"] if self.layout == "fixed" else None
         except KeyError as e:
-            raise FormatError(f"{str(part.path)!r}: field {name!r} lacks attribute {e}") from None
-        self.info = dtypes.info(self.dtype_name)
-        ensure_filters(getattr(ds, "_filters", None) or {})
+            raise FormatError(f"{w!r}: field {name!r} lacks attribute {e} {HINT}") from None
+        info = dtypes.lookup(self.dtype_name)
+        if info is None:
+            raise damaged(w, f"field {name!r} has unknown dtype {self.dtype_name!r:.60}")
+        self.info = info
+        stored = st.dtypes[name]
+        if stored.newbyteorder("=") != info.storage:
+            raise damaged(w, f"field {name!r} ({self.dtype_name}) is stored as {stored}, expected {info.storage}")
+        ensure_filters(st.filters[name])
+        shape = st.shapes[name]
+        idx = f"{INDEX_GROUP}/{name}/"
+        _index_ds(st, idx + "record", self.count, w)
         if self.layout == "fixed":
-            self.shape: tuple[int, ...] | None = tuple(int(x) for x in at["shape"])
-            if ds.shape[1:] != self.shape or ds.shape[0] < self.count:
-                raise FormatError(f"{str(part.path)!r}: field {name!r} dataset shape {ds.shape} != attrs")
+            shp = np.asarray(shape_attr)
+            if shp.shape != (self.ndim,) or (shp.size and shp.dtype.kind not in "iu") or (shp < 0).any():
+                raise damaged(w, f"field {name!r} has attribute shape {shape_attr!r:.60} for ndim {self.ndim}")
+            self.shape: tuple[int, ...] | None = tuple(int(x) for x in shp)
+            if shape[1:] != self.shape or shape[0] < self.count:
+                raise damaged(w, f"field {name!r}: dataset shape {shape} != attributes (shape {self.shape}, "
+                                  f"{self.count} records)")
         elif self.layout == "ragged":
             self.shape = None
+            if len(shape) != 1:
+                raise damaged(w, f"field {name!r}: ragged data of shape {shape}, expected 1-D")
+            _index_ds(st, idx + "offset", self.count, w)
+            _index_ds(st, idx + "shape", self.count, w, self.ndim)
         else:
-            raise FormatError(f"{str(part.path)!r}: field {name!r} has unknown layout {self.layout!r}")
+            raise damaged(w, f"field {name!r} has unknown layout {self.layout!r:.60}")
+        self._has_norm = idx + "norm" in st.shapes
+        if self._has_norm:
+            _index_ds(st, idx + "norm", self.count, w)
         self._records: np.ndarray | None = None
         self._norms: np.ndarray | None = None
         self._offsets: np.ndarray | None = None
@@ -66,44 +189,63 @@ class PartField:
     def ds(self) -> h5py.Dataset:
         """The field's dataset (looked up again after the part's file was closed and reopened)."""
         f = self.part.f
-        if self._gen != self.part.generation:
-            self._ds = f[self.name]
-            self._gen = self.part.generation
+        if self._ds is None or self._gen != self.part.generation:
+            self._ds, self._gen = f[self.name], self.part.generation
         return self._ds
 
     def _g(self) -> h5py.Group:
         return self.part.f[INDEX_GROUP][self.name]
 
+    def _load(self, name: str) -> np.ndarray:
+        """Index dataset ``name``'s first :attr:`count` rows, as int64 (float64 for norms)."""
+        arr = self._g()[name][: self.count]
+        if len(arr) != self.count:
+            raise damaged(self._where, f"field {self.name!r}: index {name!r} has {len(arr)} entries, "
+                                        f"expected {self.count}")
+        return arr.astype(np.float64 if name == "norm" else np.int64)
+
     @property
     def records(self) -> np.ndarray:
-        """Global record numbers of this field's entries (ascending)."""
+        """Global record numbers of this field's entries (checked: strictly increasing, inside
+        the part's records)."""
         if self._records is None:
-            self._records = self._g()["record"][: self.count].astype(np.int64)
+            rec = self._load("record")
+            start, n = self.part.record_start, self.part.n
+            if rec.size and (rec[0] < start or rec[-1] >= start + n or np.any(np.diff(rec) <= 0)):
+                raise damaged(self._where, f"field {self.name!r}: record numbers out of range "
+                                            f"[{start}, {start + n}) or not increasing")
+            self._records = rec
         return self._records
 
     @property
     def stored_norms(self) -> np.ndarray | None:
         """L2 norm of every entry as the writer stored it; None for dtypes without norms."""
         if self._norms is None:
-            g = self._g()
-            if "norm" not in g:
+            if not self._has_norm:
                 return None
-            self._norms = g["norm"][: self.count].astype(np.float64)
+            self._norms = self._load("norm")
         return self._norms
+
+    def _ragged_index(self) -> None:
+        """Load and check the ragged index (every entry's offset and shape) once."""
+        offs = self._load("offset")
+        shps = self._load("shape").reshape(self.count, self.ndim)
+        _ragged_sizes(offs, shps, int(self.ds.shape[0]), self._where, self.name)
+        self._offsets, self._shapes = offs, shps
 
     @property
     def offsets(self) -> np.ndarray:
-        """Ragged field: offset of every entry in the flat dataset."""
+        """Ragged field: offset of every entry in the flat dataset (checked with :attr:`shapes`)."""
         if self._offsets is None:
-            self._offsets = self._g()["offset"][: self.count].astype(np.int64)
-        return self._offsets
+            self._ragged_index()
+        return self._offsets  # type: ignore[return-value]
 
     @property
     def shapes(self) -> np.ndarray:
-        """Ragged field: shape of every entry, ``(count, ndim)``."""
+        """Ragged field: shape of every entry, ``(count, ndim)`` (checked with :attr:`offsets`)."""
         if self._shapes is None:
-            self._shapes = self._g()["shape"][: self.count].astype(np.int64).reshape(self.count, self.ndim)
-        return self._shapes
+            self._ragged_index()
+        return self._shapes  # type: ignore[return-value]
 
     def record_shape(self, j: int) -> tuple[int, ...]:
         """Shape of entry ``j`` (0-based within this part)."""
@@ -155,13 +297,18 @@ class FileLRU:
 
 class Part:
     """One complete handle file opened read-only (``rdcc_nbytes=0``: no chunk cache, so random
-    access to one record reads only that record's chunks' bytes).
+    access to one record reads only that record's chunks' bytes). Open it with
+    :func:`open_part`, which checks the file's structure first.
 
     With an ``lru``, the file may be closed between uses (see :class:`FileLRU`); metadata and the
     step/call indexes stay in memory.
+
+    Raises:
+        FormatError: (constructor) not a hookline handle file, a newer format version, or
+            attributes and index datasets that do not fit together.
     """
 
-    def __init__(self, path: Path, f: h5py.File, lru: FileLRU | None = None) -> None:
+    def __init__(self, path: Path, f: h5py.File, st: Structure, lru: FileLRU | None = None) -> None:
         self.path = Path(path)
         self._f: h5py.File | None = f
         self._lru = lru
@@ -171,52 +318,58 @@ class Part:
         self._ident = _identity(self._abs) if lru is not None else None
         self._closed = False
         self.generation = 0  # bumped at every reopen (PartField looks its dataset up again)
-        a = f.attrs
+        w = str(path)
+        a = st.attrs[""]
+        if a.get("hookline_format") != FILE_FORMAT:
+            raise FormatError(f"{w!r} is not a hookline handle file (root attribute hookline_format is "
+                              f"{a.get('hookline_format')!r:.60}, expected {FILE_FORMAT!r})")
         try:
-            if _attr_str(a["hookline_format"]) != FILE_FORMAT:
-                raise FormatError(f"{str(path)!r} is not a hookline handle file")
-            version = int(a["format_version"])
-            self.record_start = int(a["record_start"])
-            self.n = int(a["records"])
-            self.handle_id = _attr_str(a["handle_id"])
+            version = _int_attr(a, "format_version", w, 0, 1 << 31)
+            self.record_start = _int_attr(a, "record_start", w)
+            self.n = _int_attr(a, "records", w, 0, MAX_STEP - self.record_start)
+            self.handle_id = _str_attr(a, "handle_id", w)
         except KeyError as e:
-            raise FormatError(f"{str(path)!r} is not a hookline handle file (missing attribute {e})") from None
+            raise FormatError(f"{w!r} is not a hookline handle file (missing attribute {e})") from None
         if version > FORMAT_VERSION:
             raise FormatError(
-                f"{str(path)!r} has format_version {version}; this hookline reads <= {FORMAT_VERSION}: upgrade hookline"
+                f"{w!r} has format_version {version}; this hookline reads <= {FORMAT_VERSION}: upgrade hookline"
             )
-        self.attrs = {k: (_attr_str(v) if isinstance(v, (bytes, str)) else v) for k, v in a.items()}
-        self.field_names: list[str] = json.loads(self.attrs.get("fields", "[]"))
+        _check_root_attrs(a, w)
+        self.attrs = a
+        self.field_names: list[str] = _field_names(a.get("fields", "[]"), w, st)
+        _index_ds(st, "step", self.n, w)
+        _index_ds(st, "call", self.n, w)
         self._steps: np.ndarray | None = None
         self._calls: np.ndarray | None = None
-        self._fields: dict[str, PartField] = {}
+        # Every field's attributes and index shapes are checked now (a damaged field is a
+        # damaged file at open, not an error at some later read).
+        self._fields: dict[str, PartField] = {nm: PartField(self, nm, st) for nm in self.field_names}
         if lru is not None:
             lru.touch(self)
+
+    def _index(self, name: str) -> np.ndarray:
+        arr = self.f[name][: self.n].astype(np.int64)
+        if len(arr) != self.n:
+            raise damaged(str(self.path), f"{name!r} has {len(arr)} entries, expected {self.n}")
+        return arr
 
     @property
     def steps(self) -> np.ndarray:
         """Step of every record of the part (loaded on first use)."""
         if self._steps is None:
-            self._steps = self.f["step"][: self.n].astype(np.int64)
-            if len(self._steps) != self.n:
-                raise FormatError(f"{str(self.path)!r}: 'step' has {len(self._steps)} entries, expected {self.n}")
+            self._steps = self._index("step")
         return self._steps
 
     @property
     def calls(self) -> np.ndarray:
         """Call index of every record of the part (loaded on first use)."""
         if self._calls is None:
-            self._calls = self.f["call"][: self.n].astype(np.int64)
-            if len(self._calls) != self.n:
-                raise FormatError(f"{str(self.path)!r}: 'call' has {len(self._calls)} entries, expected {self.n}")
+            self._calls = self._index("call")
         return self._calls
 
     def field(self, name: str) -> PartField:
         """The field ``name`` of this part (one of :attr:`field_names`)."""
-        pf = self._fields.get(name)
-        if pf is None:
-            pf = self._fields[name] = PartField(self, name, self.f[name])
-        return pf
+        return self._fields[name]
 
     @property
     def f(self) -> h5py.File:
@@ -274,15 +427,20 @@ def _identity(path: Path) -> tuple[int, int, int, int]:
 
 
 def open_part(path: Path, lru: FileLRU | None = None) -> Part:
-    """Open a complete handle file read-only (kept open at most as ``lru`` allows).
+    """Open a complete handle file read-only (kept open at most as ``lru`` allows), after
+    :func:`check_structure`: nothing outside the file is ever followed or read.
 
     Raises:
-        FormatError: not a hookline handle file / unsupported version.
-        OSError: HDF5 cannot open it.
+        FormatError: not a hookline handle file, an unsupported version, or damaged (anything
+            :func:`check_structure` or :class:`Part` refuses, or HDF5 fails to read its metadata).
+        OSError: HDF5 cannot open it (not HDF5, truncated, unreadable).
     """
     f = h5py.File(path, "r", rdcc_nbytes=0)
     try:
-        return Part(path, f, lru)
-    except Exception:
+        return Part(path, f, check_structure(f, str(path)), lru)
+    except BaseException as e:
         f.close()
-        raise
+        if isinstance(e, (HooklineError, MemoryError)) or not isinstance(e, Exception):
+            raise
+        # (HDF5 reading damaged metadata: OSError, RuntimeError, KeyError, UnicodeDecodeError...)
+        raise damaged(str(path), f"cannot read its structure: {type(e).__name__}: {e}") from e

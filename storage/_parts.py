@@ -17,6 +17,7 @@ import h5py
 
 from .confine import RunRoot
 from .errors import FormatError
+from ._h5check import root_attrs
 
 __all__ = ["PartEntry", "Discovery", "discover_files", "cover"]
 
@@ -82,7 +83,8 @@ def cover(entries: list[PartEntry]) -> tuple[list[PartEntry], list[PartEntry], l
 
 def _records_of_final(path: Path) -> int:
     with h5py.File(path, "r", rdcc_nbytes=0) as f:
-        return int(f.attrs["record_start"]) + int(f.attrs["records"])
+        a = root_attrs(f, str(path))  # (checked: a damaged file must not allocate without bound)
+        return int(a["record_start"]) + int(a["records"])
 
 
 def discover_files(run_dir: Path | RunRoot, key: str, suffix: str) -> Discovery:

@@ -2,17 +2,19 @@
 
 A :class:`~hookline.storage.reader.Field` is read in blocks of consecutive records of at most
 ``block_bytes`` (counted as float64), so memory stays bounded however large the run is;
-:func:`damage_note` says when a handle has fewer readable records than its manifest lists.
+:func:`damage_note` says when a handle has damaged files or fewer readable records than its
+manifest lists.
 Needs only numpy (never imports torch).
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import Iterator, Sequence
 
 import numpy as np
 
-from .reader import Field, Handle
+from .reader import DAMAGE_WARNING, Field, Handle
 
 __all__ = ["BLOCK_BYTES", "records_per_block", "contiguous_runs", "read_block", "iter_records",
            "readable_records", "damage_note"]
@@ -75,15 +77,27 @@ def readable_records(handle: Handle) -> tuple[int, int | None]:
 
 
 def damage_note(handle: Handle, which: str = "") -> str | None:
-    """A one-line note when a handle has fewer readable records than its manifest lists.
+    """A one-line note when a handle has damaged files (its :attr:`~.reader.Handle.problems`) or
+    fewer readable records than its manifest lists; None when neither. The caller shows the note:
+    if this call opens the handle's files, the reader's own warning about them is not shown.
 
     Args:
         handle: the handle.
         which: the run's label in the note (``"A"``), or empty.
     """
-    readable, expected = readable_records(handle)
-    if expected is None or readable >= expected:
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=DAMAGE_WARNING)
+        readable, expected = readable_records(handle)
+        problems = handle.problems
+    short = expected is not None and readable < expected
+    if not short and not problems:
         return None
     where = f" in run {which}" if which else ""
-    return (f"only {readable} of the {expected} records of {handle.id!r}{where} are readable "
-            f"(damaged or missing file; run `hookline verify` on the run directory)")
+    count = f"only {readable} of the {expected}" if short else f"{readable}"
+    if problems:
+        why = f"{len(problems)} damaged file{'s' if len(problems) > 1 else ''} skipped: {problems[0]}"
+        why += f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+    else:
+        why = "damaged or missing file"
+    return (f"{count} records of {handle.id!r}{where} are readable ({why}; run `hookline verify` on the "
+            f"run directory)")

@@ -198,28 +198,86 @@ def index_chunk(expected: int, row: int | None = None) -> tuple[int, ...]:
 
 
 def read_manifest(path: Path) -> dict[str, Any]:
-    """Read and check one manifest file.
+    """Read and check one manifest file (:func:`check_manifest`).
 
     Raises:
-        FormatError: not JSON, not a hookline manifest, or a newer format version.
+        FormatError: not JSON, not a hookline manifest, a newer format version, or a value of the
+            wrong type (the message names the key and the file).
     """
     try:
         obj = json.loads(Path(path).read_text("utf-8"))
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, RecursionError) as e:
         raise FormatError(f"cannot read manifest {str(path)!r}: {e} (`hookline verify --repair` on the run "
                           "directory rebuilds it from the files)") from e
     check_manifest(obj, str(path))
     return obj
 
 
+def _is_int(v: Any, lo: int = 0) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and lo <= v <= MAX_STEP
+
+
+def _field_entry(v: Any) -> bool:
+    return isinstance(v, dict) and isinstance(v.get("dtype", ""), str) and _is_int(v.get("ndim", 0)) and (
+        v.get("shape") is None or (isinstance(v["shape"], list) and all(_is_int(x) for x in v["shape"])))
+
+
+#: Manifest values (docs/format.md section 2): key -> (check, what it must be). Absent keys are
+#: fine (unknown keys are ignored); a present one of the wrong type makes the manifest invalid.
+_STR = (lambda v: isinstance(v, str), "a string")
+_COUNT = (_is_int, "a non-negative integer")
+_OBJECT = (lambda v: v is None or isinstance(v, dict), "a JSON object")
+_RUN_SCHEMA = {
+    **dict.fromkeys(("hookline_version", "created", "updated", "verified", "run_uuid", "status"), _STR),
+    "rank": (lambda v: v is None or _is_int(v), "a non-negative integer or null"),
+    "world_size": (lambda v: v is None or _is_int(v, 1), "a positive integer or null"),
+    "meta": _OBJECT,
+    "dropped": _COUNT,
+    "error": (lambda v: v is None or isinstance(v, str), "a string or null"),
+}
+_ENTRY_SCHEMA = {
+    **dict.fromkeys(("file", "module_name", "module_type", "category", "hook_fn_name"), _STR),
+    **dict.fromkeys(("records", "bytes", "dropped", "segments"), _COUNT),
+    "steps": (lambda v: v is None or (isinstance(v, list) and len(v) == 2 and all(_is_int(x) for x in v)),
+              "null or [first step, last step]"),
+    "fields": (lambda v: isinstance(v, dict) and all(_field_entry(f) for f in v.values()),
+               'an object of field name -> {"dtype": string, "shape": [integers] or null, "ndim": integer}'),
+    "meta": _OBJECT,
+    "lost": (lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v), "a list of strings"),
+}
+
+
 def check_manifest(obj: Any, where: str) -> None:
-    """Raise :class:`FormatError` unless ``obj`` is a supported hookline manifest dict."""
+    """Raise :class:`FormatError` unless ``obj`` is a supported hookline manifest dict whose
+    values have the types docs/format.md gives them (every handle entry a JSON object with a
+    non-empty string ``key``)."""
     if not isinstance(obj, dict) or obj.get("format") != RUN_FORMAT:
         raise FormatError(f"{where!r} is not a hookline manifest (expected format={RUN_FORMAT!r})")
     v = obj.get("format_version")
-    if not isinstance(v, int) or v > FORMAT_VERSION:
+    if not _is_int(v) or v > FORMAT_VERSION:
         raise FormatError(
-            f"{where!r} has format_version {v!r}; this hookline reads <= {FORMAT_VERSION}: upgrade hookline"
+            f"{where!r} has format_version {v!r:.60}; this hookline reads <= {FORMAT_VERSION}: upgrade hookline"
         )
-    if not isinstance(obj.get("handles"), dict):
+    handles = obj.get("handles")
+    if not isinstance(handles, dict):
         raise FormatError(f"{where!r} has no 'handles' object")
+    _check_values(obj, _RUN_SCHEMA, "", where)
+    for hid, entry in handles.items():
+        at = f"handles[{hid!r}]"
+        if not isinstance(entry, dict):
+            _bad_value(where, at, entry, "a JSON object")
+        key = entry.get("key")
+        if not isinstance(key, str) or not key:
+            _bad_value(where, f"{at}.key", key, "a non-empty string")
+        _check_values(entry, _ENTRY_SCHEMA, f"{at}.", where)
+
+
+def _check_values(obj: dict[str, Any], schema: dict[str, Any], prefix: str, where: str) -> None:
+    for k, (ok, what) in schema.items():
+        if k in obj and not ok(obj[k]):
+            _bad_value(where, prefix + k, obj[k], what)
+
+
+def _bad_value(where: str, at: str, value: Any, what: str) -> None:
+    raise FormatError(f"{where!r}: {at} is {value!r:.80} ({type(value).__name__}), expected {what}; correct "
+                      f"it, or move the manifest aside (`hookline verify --repair` rebuilds it from the files)")

@@ -13,7 +13,7 @@ Data comes from a *source* with two methods, so local directories and MLflow run
 A source may also offer ``discover(key, suffix) -> _parts.Discovery`` to list segment files
 (the local source does; remote sources provide only the final files named in the manifest).
 
-(~620 lines, kept in one file: :class:`Run`, :class:`Handle`, :class:`LazyPart` and
+(~640 lines, kept in one file: :class:`Run`, :class:`Handle`, :class:`LazyPart` and
 :class:`Field` share private state - a Field reads its handle's opened parts and record offsets -
 so splitting them would pass private names between modules.)
 """
@@ -39,6 +39,10 @@ from .sources import find_source
 from .synthesise import synthesise_manifests
 
 __all__ = ["open_run", "Run", "Handle", "Field", "LocalSource"]
+
+#: The start of the warning a handle gives when it skips damaged files (a ``warnings`` filter
+#: ``message`` pattern: callers that report the damage themselves hide it).
+DAMAGE_WARNING = r"hookline: skipping \d+ unreadable file"
 
 
 def _names_hint(names: Sequence[str], limit: int = 30) -> str:
@@ -262,8 +266,7 @@ class Handle:
         self.category: str = e0.get("category", "")
         self.hook_fn_name: str = e0.get("hook_fn_name", "")
         self.meta: dict[str, Any] = dict(e0.get("meta") or {})
-        #: Files that could not be read (they are skipped; ``hookline verify`` reports/repairs).
-        self.problems: list[str] = []
+        self._problems: list[str] = []
         self._entries = entries
         self._discover()
         self._loaded = False
@@ -273,8 +276,8 @@ class Handle:
         """List the handle's parts (final file, or sealed segments of a live or killed run)."""
         self.gaps: list[tuple[int | None, int, int]] = []
         self._listed: list[LazyPart] = []
-        self._damaged: list[str] = []
-        self._refused: list[str] = []  # why listed files (or a key) were not opened
+        self._broken: list[tuple[str, str]] = []  # (file, why): complete files that did not open
+        self._refused: list[str] = []  # a key leading outside the run: nothing of it is read
         run = self.run
         src = run.source
         for m, e in self._entries:
@@ -287,8 +290,7 @@ class Handle:
                     continue
                 self.gaps.extend((rank, a, b) for a, b in d.gaps)
                 self._listed.extend(LazyPart(src, f.name, rank, run.files) for f in d.cover)
-                self._damaged.extend(rel for rel, _ in d.broken)  # (still bytes on disk)
-                self._refused.extend(f"{rel}: {why}" for rel, why in d.broken)
+                self._broken.extend(d.broken)  # (still bytes on disk)
             elif e.get("records", 1) or e.get("file"):
                 self._listed.append(LazyPart(src, e["file"], rank, run.files))
         self._lazy = list(self._listed)  # the readable ones, once loaded
@@ -305,15 +307,30 @@ class Handle:
             self._close()
             self._discover()
             parts, lazy, errors = self._open_parts()
-        self.problems.extend(self._refused)  # (files discovery refused or could not open)
-        for e in errors:
-            # A damaged complete file (external corruption): read the others (if any: a handle
-            # whose every file is damaged reads as empty, like one whose final file is), say so
-            # loudly; the rest of the run stays readable.
-            self.problems.append(str(e))
-            warnings.warn(f"hookline: skipping unreadable file: {e} (run `hookline verify`)", stacklevel=3)
+        self._report(errors)
         self._lazy = lazy
         self._index(parts)
+
+    def _report(self, errors: list[StorageError | FormatError]) -> None:
+        """List the damaged complete files (those discovery could not open and those that did not
+        open here) in :attr:`problems` and say so in one warning: they are skipped, the rest of
+        the handle (and of the run) stays readable; a handle whose every file is damaged reads as
+        empty, never silently."""
+        root = getattr(self.run.source, "root", None)
+        self._problems = self._refused + [f"cannot open {str(Path(root) / rel if root is not None else rel)!r} of handle "
+                          f"{self.id!r}: {why}" for rel, why in self._broken] + [str(e) for e in errors]
+        if self._problems:
+            n = len(self._problems)
+            warnings.warn(f"hookline: skipping {n} unreadable file{'s' if n > 1 else ''} of handle {self.id!r} "
+                          f"(listed in its .problems; run `hookline verify`): {'; '.join(self._problems)}",
+                          stacklevel=4)
+
+    @property
+    def problems(self) -> list[str]:
+        """The handle's damaged files, one line each (they are skipped; ``hookline verify``
+        reports them and ``verify --repair`` moves them aside). Opens the handle's files."""
+        self._load()
+        return self._problems
 
     def _open_parts(self) -> tuple[list[Part], list[LazyPart], list[StorageError | FormatError]]:
         """Open every listed part: the opened parts with their :class:`LazyPart`, and the errors
@@ -360,7 +377,7 @@ class Handle:
         if size is None:
             return None
         total = 0
-        for rel in [lp.rel for lp in self._listed] + self._damaged:
+        for rel in [lp.rel for lp in self._listed] + [rel for rel, _ in self._broken]:
             n = size(rel)
             if n is None:
                 return None

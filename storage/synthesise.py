@@ -14,9 +14,11 @@ from pathlib import Path
 from typing import Any
 
 import h5py
+import numpy as np
 
 from .confine import RunRoot
 from .errors import FormatError
+from ._h5check import root_attrs
 from .format import FILE_FORMAT, FORMAT_VERSION, RUN_FORMAT, rank_suffix
 
 __all__ = ["synthesise_manifests"]
@@ -41,34 +43,40 @@ def synthesise_manifests(root: Path) -> list[dict[str, Any]]:
             continue
         try:
             with h5py.File(p, "r", rdcc_nbytes=0) as f:
-                a = {k: (v.decode() if isinstance(v, bytes) else v) for k, v in f.attrs.items()}
-        except OSError:
+                a = root_attrs(f, str(p))
+        except Exception:  # (not HDF5, or damaged: verify reports the files of a handle it knows)
             continue
-        if a.get("hookline_format") != FILE_FORMAT:
+        hid, key = a.get("handle_id"), a.get("key")
+        if a.get("hookline_format") != FILE_FORMAT or not isinstance(hid, str) or not isinstance(key, str):
             continue
-        if not p.relative_to(root).as_posix().startswith(f"{a.get('key')}."):
+        if not p.relative_to(root).as_posix().startswith(f"{key}."):
             continue  # not where its key puts it: a file of another run (copied or nested)
-        rank, ws = int(a.get("rank", -1)), int(a.get("world_size", -1))
+        rank, ws = _int(a.get("rank")), _int(a.get("world_size"))
         m = by_rank.setdefault((rank, ws), {
             "format": RUN_FORMAT, "format_version": FORMAT_VERSION, "status": "unknown",
             "rank": None if rank < 0 else rank, "world_size": None if ws < 0 else ws,
-            "meta": _run_meta(a), "handles": {}})
-        for attr, key in (("run_uuid", "run_uuid"), ("run_created", "created")):  # the run's identity
-            if a.get(attr) and key not in m:
-                m[key] = str(a[attr])
-        hid = str(a["handle_id"])
+            "meta": _json_object(a.get("run_meta")), "handles": {}})
+        for attr, mkey in (("run_uuid", "run_uuid"), ("run_created", "created")):  # the run's identity
+            if isinstance(a.get(attr), str) and a[attr] and mkey not in m:
+                m[mkey] = a[attr]
         m["handles"].setdefault(hid, {
-            "key": str(a["key"]), "file": f"{a['key']}{rank_suffix(m['rank'], m['world_size'])}.h5",
+            "key": key, "file": f"{key}{rank_suffix(m['rank'], m['world_size'])}.h5",
             "module_name": str(a.get("module_name", "")), "module_type": str(a.get("module_type", "")),
             "category": str(a.get("category", "")), "hook_fn_name": str(a.get("hook_fn_name", "")),
-            "meta": json.loads(a.get("meta", "{}")), "fields": {}})
+            "meta": _json_object(a.get("meta")), "fields": {}})
     return [by_rank[k] for k in sorted(by_rank)]
 
 
-def _run_meta(attrs: dict[str, Any]) -> dict[str, Any]:
-    """The run metadata a file's ``run_meta`` attribute holds ({} when absent or not a JSON object)."""
+def _int(v: Any) -> int:
+    """An int attribute, or -1 when absent or not an int."""
+    return int(v) if isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_)) else -1
+
+
+def _json_object(text: Any) -> dict[str, Any]:
+    """A JSON-object attribute (``meta``, ``run_meta``), or {} when absent or not a JSON object
+    (a damaged file's handle is still listed, so that verify reports the file)."""
     try:
-        meta = json.loads(attrs.get("run_meta") or "{}")
-    except ValueError:
+        obj = json.loads(text) if isinstance(text, str) else None
+    except (ValueError, RecursionError):
         return {}
-    return meta if isinstance(meta, dict) else {}
+    return obj if isinstance(obj, dict) else {}

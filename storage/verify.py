@@ -30,7 +30,7 @@ import numpy as np
 
 from ._fs import atomic_write_json, fsync_dir, fsync_file
 from ._h5read import Part, open_part
-from ._merge import merge_files
+from ._merge import COPY_BLOCK_BYTES, merge_files
 from ._parts import Discovery, discover_files
 from .confine import RunRoot
 from .errors import FormatError, StorageError
@@ -64,6 +64,7 @@ class HandleReport:
         files: the complete files holding them, in order.
         problems: what is wrong (empty when fine).
         repaired: what repair did.
+        lost: what repair could not recover (also the manifest entry's ``lost``).
     """
 
     handle_id: str
@@ -73,6 +74,7 @@ class HandleReport:
     files: list[str] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
     repaired: list[str] = field(default_factory=list)
+    lost: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -103,6 +105,13 @@ class VerifyReport:
         return not self.problems and all(h.ok for h in self.handles)
 
     @property
+    def clean(self) -> bool:
+        """True when verify found nothing at all: :attr:`ok`, no file moved to the quarantine and
+        no record lost. A repair that had to move files aside or give records up is ``ok`` (the
+        run is consistent now) but not ``clean``; ``hookline verify`` exits 0 only when clean."""
+        return self.ok and not self.moved and not any(h.lost for h in self.handles)
+
+    @property
     def records(self) -> int:
         return sum(h.records for h in self.handles)
 
@@ -110,10 +119,21 @@ class VerifyReport:
         """JSON-serialisable form."""
         d = asdict(self)
         d["ok"] = self.ok
+        d["clean"] = self.clean
         return d
 
+    def _verdict(self) -> str:
+        if not self.ok:
+            return "PROBLEMS"
+        if self.clean:
+            return "OK"
+        lost = sum(len(h.lost) for h in self.handles)
+        what = [f"{len(self.moved)} file(s) moved to {QUARANTINE_DIR}/"] if self.moved else []
+        what += [f"{lost} loss(es) recorded in the manifest"] if lost else []
+        return f"REPAIRED, DAMAGE FOUND ({', '.join(what)})"
+
     def __str__(self) -> str:
-        lines = [f"{self.path}: {'OK' if self.ok else 'PROBLEMS'} ({len(self.handles)} handles, {self.records} records)"]
+        lines = [f"{self.path}: {self._verdict()} ({len(self.handles)} handles, {self.records} records)"]
         lines += [f"  run: {p}" for p in self.problems]
         lines += [f"  run repaired: {p}" for p in self.repaired]
         for h in self.handles:
@@ -125,25 +145,26 @@ class VerifyReport:
 
 
 def _check_part(p: Part) -> dict[str, int]:
-    """Consistency checks of one complete file; returns field -> entries. Raises on problems."""
+    """Consistency checks of one complete file; returns field -> entries. Raises on problems.
+
+    Every index entry is checked (:mod:`._h5read` checks an index when it loads it): the record
+    numbers of every field, its norms, and the offset and shape of every ragged entry; the first
+    and last entry of every field are read.
+    """
     if len(p.steps) != p.n or len(p.calls) != p.n:
         raise FormatError(f"index length mismatch (records={p.n})")
     counts = {}
     for nm in p.field_names:
         pf = p.field(nm)
-        rec = pf.records
-        if len(rec) != pf.count:
-            raise FormatError(f"field {nm!r}: {len(rec)} record numbers for {pf.count} entries")
+        if len(pf.records) != pf.count:
+            raise FormatError(f"field {nm!r}: {len(pf.records)} record numbers for {pf.count} entries")
         if pf.count:
-            if rec[0] < p.record_start or rec[-1] >= p.record_start + p.n or np.any(np.diff(rec) <= 0):
-                raise FormatError(f"field {nm!r}: record numbers out of range or unsorted")
-            if pf.info.has_norm and (pf.stored_norms is None or len(pf.stored_norms) != pf.count):
-                raise FormatError(f"field {nm!r}: norm index missing or short")
+            if pf.info.has_norm and pf.stored_norms is None:
+                raise FormatError(f"field {nm!r}: norm index missing")
             if pf.shape is None:
-                sizes = np.prod(pf.shapes, axis=1) if pf.ndim else np.ones(pf.count, np.int64)
-                if int(pf.offsets[-1] + sizes[-1]) > pf.ds.shape[0] or np.any(pf.offsets < 0):
-                    raise FormatError(f"field {nm!r}: ragged offsets beyond the data")
-            pf.read_stored(pf.count - 1)  # the data is readable
+                pf.offsets  # noqa: B018 (loads and checks every entry's offset and shape)
+            pf.read_stored(0)  # the data is readable
+            pf.read_stored(pf.count - 1)
         counts[nm] = pf.count
     return counts
 
@@ -285,7 +306,12 @@ def _verify_rank(run_dir: Path, m: dict[str, Any], repair: bool, report: VerifyR
     rank, ws = m.get("rank"), m.get("world_size")
     suffix = rank_suffix(rank, ws)
     for hid, entry in m["handles"].items():
-        report.handles.append(_verify_handle(run_dir, m, hid, entry, suffix, repair, report))
+        try:
+            hr = _verify_handle(run_dir, m, hid, entry, suffix, repair, report)
+        except Exception as e:  # noqa: BLE001 - one handle's damage must not stop the others
+            _raise_if_environment(e, hid)
+            hr = HandleReport(hid, rank, problems=[f"verify of this handle stopped: {type(e).__name__}: {e}"])
+        report.handles.append(hr)
     if repair:
         m["status"] = "closed" if all(h.ok for h in report.handles if h.rank == rank) else m.get("status", "open")
         m["updated"] = now_iso()
@@ -321,7 +347,7 @@ def _verify_handle(run_dir: Path, m: dict, hid: str, entry: dict, suffix: str, r
         hr.problems.append(f"not merged: {len(good)} complete files, {len(d.superseded)} redundant "
                            f"(repair merges them into {final_rel})")
     if repair and not clean:
-        _merge_handle(run_dir, good, final_rel, hid, entry, m, hr, suffix)
+        _merge_or_drop(run_dir, good, final_rel, hid, entry, m, hr, suffix, report)
         hr.problems = [p for p in hr.problems if not p.startswith("records [")]
         for fe in d.superseded:
             if fe.name != final_rel:  # (the merge just replaced that file with the merged one)
@@ -433,11 +459,11 @@ def _update_entry(run_dir: Path, entry: dict[str, Any], final_rel: str, hr: Hand
         fp.close()
     entry["segments"] = 0
     entry["file"] = final_rel
-    hr.problems = [p for p in hr.problems if p.startswith("manifest says")]
-    if hr.problems:
-        entry["lost"] = hr.problems
+    lost = [p for p in hr.problems if p.startswith("manifest says")]
+    hr.problems = [p for p in hr.problems if not p.startswith("manifest says")]
+    if lost or hr.lost:
+        entry["lost"] = hr.lost = hr.lost + lost
         hr.repaired.append("manifest updated to the readable records")
-        hr.problems = []
 
 
 @dataclass
@@ -488,6 +514,55 @@ def _raise_if_environment(e: BaseException, rel: str) -> None:
         raise StorageError(
             f"cannot check {rel!r}: {e} (the machine ran out of resources, the file may be fine; "
             f"raise ulimit -n or free memory and run verify again; nothing was moved)") from e
+
+
+def _merge_or_drop(run_dir: Path, good: list[_Checked], final_rel: str, hid: str, entry: dict, m: dict,
+                   hr: HandleReport, suffix: str, report: VerifyReport) -> None:
+    """Merge the handle's good files; if the merge fails (data the checks did not read is damaged),
+    read every file whole, move the ones that do not read to the quarantine and merge the rest
+    once more. A merge that still fails is a problem of the handle; its files stay as they were."""
+    for attempt in (1, 2):
+        try:
+            _merge_handle(run_dir, good, final_rel, hid, entry, m, hr, suffix)
+            return
+        except Exception as e:  # noqa: BLE001 - reported; the inputs are untouched until a merge succeeds
+            _raise_if_environment(e, final_rel)
+            (run_dir / (final_rel + ".partial")).unlink(missing_ok=True)
+            failed = f"merge into {final_rel} failed: {type(e).__name__}: {e}"
+        bad = {c.rel: why for c in good if (why := _unreadable_data(run_dir / c.rel)) is not None}
+        if attempt == 2 or not bad:
+            hr.problems.append(f"{failed}; the files are unchanged")
+            return
+        for rel, why in bad.items():
+            hr.repaired.append(f"moved unreadable {rel} to {_quarantine(run_dir, rel, report)} ({why})")
+            hr.lost.append(f"the records of {rel} (its data does not read: {why})")
+        good[:] = [c for c in good if c.rel not in bad]
+        hr.records = sum(c.n for c in good)
+        hr.fields = {}
+        for c in good:
+            for nm, count in c.counts.items():
+                hr.fields[nm] = hr.fields.get(nm, 0) + count
+
+
+def _unreadable_data(path: Path) -> str | None:
+    """Why the data of a complete file does not read (every chunk of every field is read, a
+    block at a time), or None when it all reads."""
+    try:
+        p = open_part(path)
+    except Exception as e:  # noqa: BLE001
+        return f"{type(e).__name__}: {e}"
+    try:
+        for nm in p.field_names:
+            ds = p.field(nm).ds
+            step = max(1, COPY_BLOCK_BYTES // max(1, ds.dtype.itemsize * int(np.prod(ds.shape[1:]))))
+            for a in range(0, ds.shape[0], step):
+                ds[a : a + step]
+        return None
+    except Exception as e:  # noqa: BLE001
+        _raise_if_environment(e, str(path))
+        return f"{type(e).__name__}: {e}"
+    finally:
+        p.close()
 
 
 def _merge_handle(run_dir: Path, good: list[_Checked], final_rel: str, hid: str, entry: dict, m: dict,

@@ -286,3 +286,50 @@ def test_an_evicted_file_that_changed_is_refused_not_misread(tmp_path, monkeypat
     run.close()
     with open_run(d) as again:
         assert [again["a"]["x"][i].tolist() for i in range(2)] == [[10, 11, 12], [1, 2]]
+
+
+def _declare_huge_index(h) -> None:
+    """'step' and 'call' claim 2**40 records (8 TiB each) in a file of a few KiB: unallocated
+    chunks, which HDF5 would read as zeros into an array of that size."""
+    n = 1 << 40
+    for name in ("step", "call"):
+        del h[name]
+        h.create_dataset(name, shape=(n,), maxshape=(None,), dtype=np.int64, chunks=(1 << 16,))
+    h.attrs["records"] = np.int64(n)
+
+
+def _unknown_filter(h) -> None:
+    data, attrs = h["outputs.0"][:], dict(h["outputs.0"].attrs)
+    del h["outputs.0"]
+    h.create_dataset("outputs.0", data=data, scaleoffset=2, chunks=(1, *data.shape[1:]))
+    for k, v in attrs.items():
+        h["outputs.0"].attrs[k] = v
+
+
+def _huge_chunks(h) -> None:
+    attrs = dict(h["outputs.0"].attrs)
+    del h["outputs.0"]
+    h.create_dataset("outputs.0", shape=(4, 8, 16), maxshape=(None, 8, 16), dtype=np.float32,
+                     chunks=(1 << 19, 8, 16), compression="gzip")  # 256 MiB chunks
+    for k, v in attrs.items():
+        h["outputs.0"].attrs[k] = v
+
+
+@pytest.mark.parametrize("alter, refused", [
+    (_declare_huge_index, "declares shape (1099511627776,)"),
+    (_unknown_filter, "uses HDF5 filters [6]"),
+    (_huge_chunks, "declares chunks"),
+])
+def test_a_file_declaring_what_it_cannot_hold_is_refused_before_any_read(run_dir, alter, refused):
+    """Sizes and filters a file declares are checked when it opens: an index read allocated what
+    the file claimed (MemoryError, or the machine's memory), an unknown filter ran."""
+    import h5py
+
+    write_std_run(run_dir, n=4).close()
+    with h5py.File(run_dir / "outputs" / "blocks.0.h5", "r+") as h:
+        alter(h)
+    run = open_run(run_dir)
+    with pytest.warns(UserWarning, match="unreadable"):
+        assert len(run[HID]) == 0 and run[HID].steps.size == 0
+    assert refused in run[HID].problems[0] and "blocks.0.h5" in run[HID].problems[0]
+    assert len(run[GID]) == 4
