@@ -22,7 +22,7 @@ import errno
 import json
 import os
 import stat
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -45,104 +45,9 @@ from .format import (
 from .keys import handle_key
 from .reader import LocalSource
 from .synthesise import synthesise_manifests
+from .verify_report import QUARANTINE_DIR, HandleReport, VerifyReport
 
 __all__ = ["verify", "VerifyReport", "HandleReport", "QUARANTINE_DIR"]
-
-#: Where repair moves files it cannot use (relative to the run directory).
-QUARANTINE_DIR = ".quarantine"
-
-
-@dataclass
-class HandleReport:
-    """What verify found for one handle (of one rank).
-
-    Attributes:
-        handle_id: the handle id.
-        rank: its rank (None when not distributed).
-        records: records readable.
-        fields: field name -> number of readable entries.
-        files: the complete files holding them, in order.
-        problems: what is wrong (empty when fine).
-        repaired: what repair did.
-        lost: what repair could not recover (also the manifest entry's ``lost``).
-    """
-
-    handle_id: str
-    rank: int | None
-    records: int = 0
-    fields: dict[str, int] = field(default_factory=dict)
-    files: list[str] = field(default_factory=list)
-    problems: list[str] = field(default_factory=list)
-    repaired: list[str] = field(default_factory=list)
-    lost: list[str] = field(default_factory=list)
-
-    @property
-    def ok(self) -> bool:
-        return not self.problems
-
-
-@dataclass
-class VerifyReport:
-    """Result of :func:`verify`.
-
-    Attributes:
-        path: the run directory.
-        handles: one report per handle and rank.
-        problems: run-level problems (manifest).
-        repaired: run-level repairs.
-        moved: files moved to the quarantine directory.
-    """
-
-    path: str
-    handles: list[HandleReport] = field(default_factory=list)
-    problems: list[str] = field(default_factory=list)
-    repaired: list[str] = field(default_factory=list)
-    moved: list[str] = field(default_factory=list)
-
-    @property
-    def ok(self) -> bool:
-        """True when nothing is wrong (after repair, if repair ran and fixed everything)."""
-        return not self.problems and all(h.ok for h in self.handles)
-
-    @property
-    def clean(self) -> bool:
-        """True when verify found nothing at all: :attr:`ok`, no file moved to the quarantine and
-        no record lost. A repair that had to move files aside or give records up is ``ok`` (the
-        run is consistent now) but not ``clean``; ``hookline verify`` exits 0 only when clean."""
-        return self.ok and not self.moved and not any(h.lost for h in self.handles)
-
-    @property
-    def records(self) -> int:
-        return sum(h.records for h in self.handles)
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-serialisable form."""
-        d = asdict(self)
-        d["ok"] = self.ok
-        d["clean"] = self.clean
-        return d
-
-    def _verdict(self) -> str:
-        if not self.ok:
-            return "PROBLEMS"
-        if self.clean:
-            return "OK"
-        lost = sum(len(h.lost) for h in self.handles)
-        what = [f"{len(self.moved)} file(s) moved to {QUARANTINE_DIR}/"] if self.moved else []
-        what += [f"{lost} loss(es) recorded in the manifest"] if lost else []
-        return f"REPAIRED, DAMAGE FOUND ({', '.join(what)})"
-
-    def __str__(self) -> str:
-        lines = [f"{self.path}: {self._verdict()} ({len(self.handles)} handles, {self.records} records)"]
-        lines += [f"  run: {p}" for p in self.problems]
-        lines += [f"  run repaired: {p}" for p in self.repaired]
-        for h in self.handles:
-            tag = h.handle_id + (f" (rank {h.rank})" if h.rank is not None else "")
-            lines.append(f"  {tag}: {h.records} records, {len(h.fields)} fields" + ("" if h.ok else " - PROBLEMS"))
-            lines += [f"    problem: {p}" for p in h.problems]
-            lines += [f"    repaired: {p}" for p in h.repaired]
-        return "\n".join(lines)
-
 
 def _check_part(p: Part) -> dict[str, int]:
     """Consistency checks of one complete file; returns field -> entries. Raises on problems.
@@ -228,6 +133,7 @@ def verify(path: str | os.PathLike[str], repair: bool = False) -> VerifyReport:
 
     Raises:
         StorageError: ``path`` is not a directory.
+        FormatError: with ``repair``, the run's ``.quarantine`` leads outside it (nothing is moved).
     """
     run_dir = Path(path)
     if not run_dir.is_dir():
@@ -238,6 +144,8 @@ def verify(path: str | os.PathLike[str], repair: bool = False) -> VerifyReport:
         raise StorageError(
             f"a RunWriter is still writing {str(path)!r} (lock {held[0]!r} is held): close it (or let it "
             f"finish) before verify(repair=True); verify without repair reads a live run safely")
+    if repair:  # before anything moves: a quarantine leading outside refuses the whole repair
+        RunRoot(run_dir).folder(QUARANTINE_DIR, what="quarantine folder")
     manifests = _load_manifests(run_dir, repair, report)
     _add_unlisted_handles(run_dir, manifests, report)
     if not manifests:

@@ -1,0 +1,103 @@
+"""What :func:`~hookline.storage.verify` reports: :class:`VerifyReport` per run, :class:`HandleReport` per handle."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+__all__ = ["VerifyReport", "HandleReport", "QUARANTINE_DIR"]
+
+#: Where repair moves files it cannot use (relative to the run directory).
+QUARANTINE_DIR = ".quarantine"
+
+
+@dataclass
+class HandleReport:
+    """What verify found for one handle (of one rank).
+
+    Attributes:
+        handle_id: the handle id.
+        rank: its rank (None when not distributed).
+        records: records readable.
+        fields: field name -> number of readable entries.
+        files: the complete files holding them, in order.
+        problems: what is wrong (empty when fine).
+        repaired: what repair did.
+        lost: what repair could not recover (also the manifest entry's ``lost``).
+    """
+
+    handle_id: str
+    rank: int | None
+    records: int = 0
+    fields: dict[str, int] = field(default_factory=dict)
+    files: list[str] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+    repaired: list[str] = field(default_factory=list)
+    lost: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+@dataclass
+class VerifyReport:
+    """Result of :func:`verify`.
+
+    Attributes:
+        path: the run directory.
+        handles: one report per handle and rank.
+        problems: run-level problems (manifest).
+        repaired: run-level repairs.
+        moved: files moved to the quarantine directory.
+    """
+
+    path: str
+    handles: list[HandleReport] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+    repaired: list[str] = field(default_factory=list)
+    moved: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        """True when nothing is wrong (after repair, if repair ran and fixed everything)."""
+        return not self.problems and all(h.ok for h in self.handles)
+
+    @property
+    def clean(self) -> bool:
+        """True when verify found nothing at all: :attr:`ok`, no file moved to the quarantine and
+        no record lost. A repair that had to move files aside or give records up is ``ok`` (the
+        run is consistent now) but not ``clean``; ``hookline verify`` exits 0 only when clean."""
+        return self.ok and not self.moved and not any(h.lost for h in self.handles)
+
+    @property
+    def records(self) -> int:
+        return sum(h.records for h in self.handles)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-serialisable form."""
+        d = asdict(self)
+        d["ok"] = self.ok
+        d["clean"] = self.clean
+        return d
+
+    def _verdict(self) -> str:
+        if not self.ok:
+            return "PROBLEMS"
+        if self.clean:
+            return "OK"
+        lost = sum(len(h.lost) for h in self.handles)
+        what = [f"{len(self.moved)} file(s) moved to {QUARANTINE_DIR}/"] if self.moved else []
+        what += [f"{lost} loss(es) recorded in the manifest"] if lost else []
+        return f"REPAIRED, DAMAGE FOUND ({', '.join(what)})"
+
+    def __str__(self) -> str:
+        lines = [f"{self.path}: {self._verdict()} ({len(self.handles)} handles, {self.records} records)"]
+        lines += [f"  run: {p}" for p in self.problems]
+        lines += [f"  run repaired: {p}" for p in self.repaired]
+        for h in self.handles:
+            tag = h.handle_id + (f" (rank {h.rank})" if h.rank is not None else "")
+            lines.append(f"  {tag}: {h.records} records, {len(h.fields)} fields" + ("" if h.ok else " - PROBLEMS"))
+            lines += [f"    problem: {p}" for p in h.problems]
+            lines += [f"    repaired: {p}" for p in h.repaired]
+        return "\n".join(lines)
