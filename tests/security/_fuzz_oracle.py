@@ -21,7 +21,8 @@ directory changed, something was created next to the run, or a file from outside
 uploaded), ``silent-empty`` (a handle that had records reads as having none, nothing reported),
 ``silent-loss`` (fewer records, nothing reported), ``silent-wrong-data``, ``cli-error-format``,
 ``terminal-escape`` (a raw control character in a command's output), ``verify-ok-on-damage``,
-``repair-ok-on-damage``, ``sync-ok-on-damage``, ``uploaded-damaged``, ``sync-dropped-healthy``.
+``repair-ok-on-damage``, ``sync-ok-on-damage``, ``uploaded-damaged``, ``sync-dropped-healthy``,
+and ``harness`` (an unmutated base run fails a check: the suite itself is wrong).
 """
 
 from __future__ import annotations
