@@ -1,4 +1,4 @@
-"""What counts as an acceptable outcome of a fuzz case, and the bounds every case runs under.
+"""What counts as an acceptable outcome of a fuzz case (the bounds are in ``_fuzz_bounds.py``).
 
 Outcomes (the contract of issue 23, as ``test_fuzz.py`` checks it):
 
@@ -14,11 +14,15 @@ Outcomes (the contract of issue 23, as ``test_fuzz.py`` checks it):
   with plain h5py, changed only in raw values of value datasets (see ``_fuzz_mutations.py``: no
   checksum exists that could reveal it) may read back changed values.
 
+A run that does not read back *clean* (no problem, no warning, correct data) has damage: then
+``verify``, ``verify --repair`` and ``sync`` must exit non-zero ("exits non-zero when it found or
+quarantined anything"), and after a repair that exits 0 the run must read back without silent loss.
+
 Failures are lines ``[category] operation: detail``; the categories: ``traceback`` (an exception
 that is not a hookline error, or the CLI's "unexpected ... please report it" line), ``crash`` (the
-process died, e.g. SIGSEGV inside HDF5), ``hang`` (the time bound), ``allocation`` (MemoryError: a declared size was trusted), ``outside`` (the sentinel
-directory changed, something was created next to the run, or a file from outside was read or
-uploaded), ``silent-empty`` (a handle that had records reads as having none, nothing reported),
+process died, e.g. SIGSEGV inside HDF5), ``hang`` (the time bound), ``allocation`` (MemoryError:
+a declared size was trusted), ``outside`` (the sentinel directory changed, something was created
+next to the run, or a file from outside was read or uploaded), ``silent-empty`` (a handle that had records reads as having none, nothing reported),
 ``silent-loss`` (fewer records, nothing reported), ``silent-wrong-data``, ``cli-error-format``,
 ``terminal-escape`` (a raw control character in a command's output), ``verify-ok-on-damage``,
 ``repair-ok-on-damage``, ``sync-ok-on-damage``, ``uploaded-damaged``, ``sync-dropped-healthy``,
