@@ -10,7 +10,8 @@ from .options import CONTEXT_SETTINGS, clean_json, console, echo_json, json_opti
 
 
 class RepairedDamage(click.ClickException):
-    """``verify --repair`` made the run consistent but moved files aside or gave records up:
+    """``verify --repair`` made the run consistent but found damage (moved files aside, gave records
+    up, or reset manifest entries that led outside the run):
     exit status 3 (1 means problems remain)."""
 
     exit_code = 3
@@ -36,7 +37,7 @@ def verify(run_dir: str, repair: bool, as_json: bool) -> None:
       hookline verify runs/baseline --json
     """
     from hookline.storage import verify as storage_verify
-    from hookline.storage.verify import QUARANTINE_DIR
+    from hookline.storage.verify_report import QUARANTINE_DIR
 
     if not os.path.isdir(run_dir):
         raise click.ClickException(f"run directory {run_dir!r} does not exist")
@@ -55,5 +56,7 @@ def verify(run_dir: str, repair: bool, as_json: bool) -> None:
         lost = sum(1 for h in report.handles if h.lost)
         what = [f"{len(report.moved)} file(s) moved to {QUARANTINE_DIR}/"] if report.moved else []
         what += [f"records lost in {lost} handle(s)"] if lost else []
+        damaged = sum(1 for h in report.handles if h.damage)
+        what += [f"manifest entries leading outside the run reset in {damaged} handle(s)"] if damaged else []
         raise RepairedDamage(f"run directory {run_dir!r} was repaired, but damage was found ({', '.join(what)}); "
                              f"it now verifies clean")

@@ -43,7 +43,7 @@ _LAZY = {
     "Run": "reader",
     "Handle": "reader",
     "Field": "reader",
-    "verify": "verify",
+    "verify": "verifier",
     "VerifyReport": "verify_report",
     "HandleReport": "verify_report",
     "HandleStats": "writer",

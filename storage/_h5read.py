@@ -14,8 +14,9 @@ import math
 import os
 import threading
 from collections import OrderedDict
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import h5py
 import numpy as np
@@ -198,7 +199,8 @@ class PartField:
 
     def _load(self, name: str) -> np.ndarray:
         """Index dataset ``name``'s first :attr:`count` rows, as int64 (float64 for norms)."""
-        arr = self._g()[name][: self.count]
+        with _reading(self._where, f"field {self.name!r}: index {name!r}"):
+            arr = self._g()[name][: self.count]
         if len(arr) != self.count:
             raise damaged(self._where, f"field {self.name!r}: index {name!r} has {len(arr)} entries, "
                                         f"expected {self.count}")
@@ -255,15 +257,32 @@ class PartField:
 
     def read_stored(self, j: int) -> np.ndarray:
         """Entry ``j`` (0-based within this file) in its stored dtype."""
-        if self.shape is not None:
-            return self.ds[j]
-        shp = self.record_shape(j)
-        off = int(self.offsets[j])
-        return self.ds[off : off + math.prod(shp)].reshape(shp)
+        with _reading(self._where, f"field {self.name!r}: entry {j}"):
+            if self.shape is not None:
+                return self.ds[j]
+            shp = self.record_shape(j)
+            off = int(self.offsets[j])
+            return self.ds[off : off + math.prod(shp)].reshape(shp)
 
     def read_block(self, a: int, b: int) -> np.ndarray:
         """Entries ``[a, b)`` of a fixed field, stacked, stored dtype."""
-        return self.ds[a:b]
+        with _reading(self._where, f"field {self.name!r}: entries [{a}, {b})"):
+            return self.ds[a:b]
+
+
+@contextmanager
+def _reading(where: str, what: str) -> Iterator[None]:
+    """Turn HDF5's own read errors (a damaged chunk index, a chunk address beyond the file: an
+    ``OSError`` without an errno) into the damage error naming the file; the machine's I/O errors
+    (with an errno) pass unchanged."""
+    try:
+        yield
+    except HooklineError:
+        raise  # (already says what is wrong: a closed run, a refused file)
+    except OSError as e:
+        if e.errno is not None:
+            raise
+        raise damaged(where, f"{what} does not read ({e})") from e
 
 
 class FileLRU:

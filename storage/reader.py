@@ -307,11 +307,20 @@ class Handle:
             self._close()
             self._discover()
             parts, lazy, errors = self._open_parts()
-        self._report(errors)
         self._lazy = lazy
         self._index(parts)
+        self._report(errors, self._missing_records())
 
-    def _report(self, errors: list[StorageError | FormatError]) -> None:
+    def _missing_records(self) -> str | None:
+        """A closed run's manifest counting more records than its files hold: files were deleted
+        or replaced (never silent; a live run's manifest lags its files, never leads them)."""
+        claimed = sum(e.get("records") or 0 for _, e in self._entries if isinstance(e.get("records"), int))
+        if claimed > self._n and all(m.get("status") == "closed" for m, _ in self._entries):
+            return (f"handle {self.id!r}: the manifest lists {claimed} records, its files hold {self._n} "
+                    f"(files missing or replaced; run `hookline verify`)")
+        return None
+
+    def _report(self, errors: list[StorageError | FormatError], missing: str | None = None) -> None:
         """List the damaged complete files (those discovery could not open and those that did not
         open here) in :attr:`problems` and say so in one warning: they are skipped, the rest of
         the handle (and of the run) stays readable; a handle whose every file is damaged reads as
@@ -319,6 +328,8 @@ class Handle:
         root = getattr(self.run.source, "root", None)
         self._problems = self._refused + [f"cannot open {str(Path(root) / rel if root is not None else rel)!r} of handle "
                           f"{self.id!r}: {why}" for rel, why in self._broken] + [str(e) for e in errors]
+        if missing and not self._problems:  # (damaged files already explain the shortfall)
+            self._problems.append(missing)
         if self._problems:
             n = len(self._problems)
             warnings.warn(f"hookline: skipping {n} unreadable file{'s' if n > 1 else ''} of handle {self.id!r} "

@@ -24,6 +24,8 @@ class HandleReport:
         problems: what is wrong (empty when fine).
         repaired: what repair did.
         lost: what repair could not recover (also the manifest entry's ``lost``).
+        damage: damage repair fixed without moving files (manifest entries that led outside the
+            run, reset); a run with any is not :attr:`VerifyReport.clean`.
     """
 
     handle_id: str
@@ -34,6 +36,7 @@ class HandleReport:
     problems: list[str] = field(default_factory=list)
     repaired: list[str] = field(default_factory=list)
     lost: list[str] = field(default_factory=list)
+    damage: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -68,7 +71,7 @@ class VerifyReport:
         """True when verify found nothing at all: :attr:`ok`, no file moved to the quarantine and
         no record lost. A repair that had to move files aside or give records up is ``ok`` (the
         run is consistent now) but not ``clean``; ``hookline verify`` exits 0 only when clean."""
-        return self.ok and not self.moved and not any(h.lost for h in self.handles)
+        return self.ok and not self.moved and not any(h.lost or h.damage for h in self.handles)
 
     @property
     def records(self) -> int:
@@ -89,6 +92,7 @@ class VerifyReport:
         lost = sum(len(h.lost) for h in self.handles)
         what = [f"{len(self.moved)} file(s) moved to {QUARANTINE_DIR}/"] if self.moved else []
         what += [f"{lost} loss(es) recorded in the manifest"] if lost else []
+        what += [d for h in self.handles for d in h.damage]
         return f"REPAIRED, DAMAGE FOUND ({', '.join(what)})"
 
     def __str__(self) -> str:

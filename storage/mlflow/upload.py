@@ -244,7 +244,9 @@ class _Pass:
             rel = plan.entry.get("file")
             if not rel:
                 continue
-            try:  # (only a regular file inside the run directory is ever uploaded)
+            try:  # (only a regular file inside the run directory is ever uploaded; a key leading
+                # outside is a damaged manifest entry: the reader would not read the handle)
+                root.key(plan.entry.get("key"), what=f"manifest key of handle {plan.handle_id!r}")
                 local = root.file(rel, what=f"file of handle {plan.handle_id!r}")
             except FormatError as e:
                 self._refuse(plan, str(e))

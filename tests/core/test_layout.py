@@ -183,3 +183,24 @@ def test_functions_stay_short() -> None:
                 if n > 80:
                     long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}: {n} lines")
     assert long == []
+
+
+def test_no_module_shadows_a_lazily_exported_name() -> None:
+    """``import hookline.storage.X`` binds the module X on the package: a lazily exported name
+    equal to a module's name would then read as the module (``verify`` once did)."""
+    import subprocess
+    import sys
+
+    import hookline.storage as storage
+
+    clashes = [n for n in storage._LAZY if f"hookline.storage.{n}" in MODULES]
+    assert clashes == []
+    # and in a fresh interpreter: importing every storage module first leaves the names callable
+    code = ("import importlib, hookline.storage as s\n"
+            f"for m in {sorted(m for m in MODULES if m.startswith('hookline.storage.') and '.mlflow' not in m)!r}:\n"
+            "    importlib.import_module(m)\n"
+            "from hookline.storage import verify, open_run, sync, compare_runs\n"
+            "assert all(callable(f) and not hasattr(f, '__path__') and type(f).__name__ == 'function' "
+            "for f in (verify, open_run, sync, compare_runs)), (verify, open_run, sync, compare_runs)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr

@@ -223,7 +223,7 @@ def test_running_out_of_file_handles_is_an_error_not_a_damaged_file(tmp_path):
         resource.setrlimit(resource.RLIMIT_NOFILE, (64, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
         from pathlib import Path
         from hookline.storage import StorageError
-        from hookline.storage.verify import _check_file
+        from hookline.storage.verifier import _check_file
         print("FINE", type(_check_file(Path({str(d)!r}), {seg!r}, "a")).__name__)
         hog = []
         try:

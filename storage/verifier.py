@@ -297,6 +297,7 @@ def _confined_key(run_dir: Path, hid: str, entry: dict, repair: bool, hr: Handle
     if fixed != key:
         entry["key"] = fixed
         hr.repaired.append(f"reset manifest key {key!r} (it led outside the run directory) to {fixed!r}")
+        hr.damage.append(f"manifest key {key!r} led outside the run directory")
     return fixed
 
 
@@ -310,6 +311,7 @@ def _check_file_entry(run_dir: Path, hid: str, entry: dict, repair: bool, hr: Ha
     except FormatError as e:
         if repair:
             hr.repaired.append(f"replaced manifest file {rel!r}: it led outside the run directory")
+            hr.damage.append(f"manifest file {rel!r} led outside the run directory")
         else:
             hr.problems.append(str(e))
 
