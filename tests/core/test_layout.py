@@ -120,7 +120,9 @@ def test_a_cycle_is_found_when_there_is_one() -> None:
 @pytest.mark.parametrize("lower, upper", [("hookline.storage", "hookline.tracker"),
                                           ("hookline.storage", "hookline.cli"),
                                           ("hookline.tracker", "hookline.cli"),
-                                          ("hookline.tracker.hooks", "hookline.tracker.capture")])
+                                          ("hookline.tracker.hooks", "hookline.tracker.capture"),
+                                          ("hookline.tracker.hooks", "hookline.tracker.integrations"),
+                                          ("hookline.tracker.capture", "hookline.tracker.integrations")])
 def test_dependency_direction(lower: str, upper: str) -> None:
     wrong = [(m, t) for m, ts in _edges().items() if m.startswith(lower + ".") or m == lower
              for t in ts if t == upper or t.startswith(upper + ".")]
