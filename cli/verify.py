@@ -37,7 +37,6 @@ def verify(run_dir: str, repair: bool, as_json: bool) -> None:
       hookline verify runs/baseline --json
     """
     from hookline.storage import verify as storage_verify
-    from hookline.storage.verify_report import QUARANTINE_DIR
 
     if not os.path.isdir(run_dir):
         raise click.ClickException(f"run directory {run_dir!r} does not exist")
@@ -53,10 +52,6 @@ def verify(run_dir: str, repair: bool, as_json: bool) -> None:
             + ("" if repair else "; run `hookline verify --repair` to fix what can be fixed")
         )
     if not report.clean:
-        lost = sum(1 for h in report.handles if h.lost)
-        what = [f"{len(report.moved)} file(s) moved to {QUARANTINE_DIR}/"] if report.moved else []
-        what += [f"records lost in {lost} handle(s)"] if lost else []
-        damaged = sum(1 for h in report.handles if h.damage)
-        what += [f"manifest entries leading outside the run reset in {damaged} handle(s)"] if damaged else []
-        raise RepairedDamage(f"run directory {run_dir!r} was repaired, but damage was found ({', '.join(what)}); "
+        raise RepairedDamage(f"run directory {run_dir!r} was repaired, but damage was found "
+                             f"({report.damage_found()}); "
                              f"it now verifies clean")

@@ -84,16 +84,20 @@ class VerifyReport:
         d["clean"] = self.clean
         return d
 
+    def damage_found(self) -> str:
+        """What a repair found and fixed, one phrase per kind (empty when :attr:`clean`)."""
+        lost = sum(len(h.lost) for h in self.handles)
+        what = [f"{len(self.moved)} file(s) moved to {QUARANTINE_DIR}/"] if self.moved else []
+        what += [f"{lost} loss(es) recorded in the manifest"] if lost else []
+        what += [d for h in self.handles for d in h.damage]
+        return ", ".join(what)
+
     def _verdict(self) -> str:
         if not self.ok:
             return "PROBLEMS"
         if self.clean:
             return "OK"
-        lost = sum(len(h.lost) for h in self.handles)
-        what = [f"{len(self.moved)} file(s) moved to {QUARANTINE_DIR}/"] if self.moved else []
-        what += [f"{lost} loss(es) recorded in the manifest"] if lost else []
-        what += [d for h in self.handles for d in h.damage]
-        return f"REPAIRED, DAMAGE FOUND ({', '.join(what)})"
+        return f"REPAIRED, DAMAGE FOUND ({self.damage_found()})"
 
     def __str__(self) -> str:
         lines = [f"{self.path}: {self._verdict()} ({len(self.handles)} handles, {self.records} records)"]
