@@ -12,6 +12,8 @@ from __future__ import annotations
 import importlib
 from typing import Any, Callable
 
+from .errors import HookTypeError, InvalidArgumentError
+
 __all__ = ["register_source", "find_source"]
 
 #: ``match(text, tracking_uri) -> bool``: whether a run reference belongs to a source.
@@ -29,8 +31,12 @@ def register_source(match: Match, factory: str) -> None:
         factory: ``"package.module:function"``, imported on first use; called as
             ``function(text, tracking_uri=..., cache_dir=...)``, it returns the source.
     """
-    if ":" not in factory:
-        raise ValueError(f"source factory {factory!r} must read 'package.module:function'")
+    if not callable(match):
+        raise HookTypeError(f"source match must be a callable match(text, tracking_uri) -> bool, got "
+                            f"{type(match).__name__} {match!r:.60}")
+    if not isinstance(factory, str) or ":" not in factory:
+        raise InvalidArgumentError(f"source factory {factory!r:.80} must be a str reading 'package.module:function', "
+                                   f"e.g. 'hookline.storage.mlflow.source:mlflow_source'")
     if (match, factory) not in _SOURCES:
         _SOURCES.append((match, factory))
 

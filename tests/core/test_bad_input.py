@@ -63,3 +63,17 @@ def test_writer_rejects_negative_step(tmp_path):
     with pytest.raises(InvalidArgumentError, match="step=-1"):
         w.write("h[m]", -1, 0, {"outputs.0": np.zeros(2)})
     w.close()
+
+
+def test_register_source_refuses_bad_arguments_and_registers_nothing():
+    from hookline.storage import HookTypeError, InvalidArgumentError
+    from hookline.storage import sources
+
+    before = list(sources._SOURCES)
+    with pytest.raises(InvalidArgumentError, match="'no_colon'.*package.module:function"):
+        sources.register_source(lambda text, uri: False, "no_colon")
+    with pytest.raises(InvalidArgumentError, match="must be a str"):
+        sources.register_source(lambda text, uri: False, 42)
+    with pytest.raises(HookTypeError, match="callable"):
+        sources.register_source("runs:/", "a.b:c")
+    assert sources._SOURCES == before
