@@ -22,9 +22,11 @@ from .format import INDEX_GROUP
 __all__ = ["Structure", "check_structure", "root_attrs", "damaged", "attr_str", "HINT", "MAX_CHUNK_BYTES"]
 
 #: HDF5 compression filters a part may use (one per dataset), by filter id: name and the largest
-#: factor by which it can shrink data (deflate 1032, lzf ~88, lz4 ~255, zstd ~32768 on all-zero
-#: chunks; with a margin). A dataset may declare at most that many times the file's size.
-_COMPRESSORS = {1: ("gzip", 1100), 32000: ("lzf", 100), 32004: ("lz4", 300), 32015: ("zstd", 40000)}
+#: factor by which it can shrink data (deflate 1032, lzf ~88, lz4 ~255, zstd ~32768, Blosc2 ~17500
+#: (a 4 MiB all-zero chunk is 240 bytes) on all-zero chunks; with a margin). A dataset may declare
+#: at most that many times the file's size.
+_COMPRESSORS = {1: ("gzip", 1100), 32000: ("lzf", 100), 32004: ("lz4", 300), 32015: ("zstd", 40000),
+                32026: ("blosc2", 40000)}
 #: Filters that only reorder or checksum bytes (allowed with or without a compressor).
 _TRANSFORMS = {2: "shuffle", 3: "fletcher32"}
 #: Largest chunk a part may declare, in bytes (hookline writes data chunks of at most 4 MiB and
@@ -62,7 +64,7 @@ def check_structure(f: h5py.File, where: str) -> Structure:
     Refused: soft, external and user-defined links (never followed); datasets with external raw
     storage and virtual datasets; datasets of other than plain numeric types (references,
     variable-length, compound...) and attributes of other than numbers or strings; filters
-    other than one of deflate, lzf, lz4 and zstd plus shuffle and fletcher32; chunks over
+    other than one of deflate, lzf, lz4, zstd and Blosc2 plus shuffle and fletcher32; chunks over
     :data:`MAX_CHUNK_BYTES`; a dataset declaring more bytes than its compressor can expand the
     file's size to (an index dataset, which hookline stores uncompressed: more than the file's
     size); an attribute larger than the file.
