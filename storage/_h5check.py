@@ -10,6 +10,10 @@ genuine file of the same size could need.
 from __future__ import annotations
 
 import math
+import os
+import threading
+from collections import OrderedDict
+from pathlib import Path
 from typing import Any
 
 import h5py
@@ -19,7 +23,8 @@ from h5py import h5a, h5d, h5g, h5l, h5o, h5t
 from .errors import FormatError
 from .format import INDEX_GROUP
 
-__all__ = ["Structure", "check_structure", "root_attrs", "damaged", "attr_str", "HINT", "MAX_CHUNK_BYTES"]
+__all__ = ["Structure", "check_structure", "checked_structure", "records_end", "root_attrs", "damaged", "attr_str",
+           "HINT", "MAX_CHUNK_BYTES"]
 
 #: HDF5 compression filters a part may use (one per dataset), by filter id: name and the largest
 #: factor by which it can shrink data (deflate 1032, lzf ~88, lz4 ~255, zstd ~32768, Blosc2 ~17500
@@ -94,6 +99,75 @@ def check_structure(f: h5py.File, where: str) -> Structure:
             raise damaged(where, f"{name!r} is a {type(oid).__name__}, not a group or dataset")
         st.attrs[name] = _read_attrs(oid, name, size, where)
     return st
+
+
+#: Structures of the files this process checked, by the identity of the file (device, inode,
+#: size, modification and change time; least recently used dropped beyond the bound).
+_CHECKED: OrderedDict[tuple[int, ...], Structure] = OrderedDict()
+_CHECKED_MAX = 4096
+_CHECKED_LOCK = threading.Lock()
+
+
+def _identity(st: os.stat_result) -> tuple[int, ...]:
+    # (ctime cannot be set from user space: a file written or touched since has another one)
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
+
+
+def _cached(ident: tuple[int, ...] | None) -> Structure | None:
+    if ident is None:
+        return None
+    with _CHECKED_LOCK:
+        st = _CHECKED.get(ident)
+        if st is not None:
+            _CHECKED.move_to_end(ident)
+        return st
+
+
+def checked_structure(f: h5py.File, where: str) -> Structure:
+    """:func:`check_structure` of ``f``, once per file per process: a file whose identity
+    (device, inode, size, modification and change time, taken from the open descriptor) is
+    unchanged since it passed the walk is the same file, so the walk's result is reused (the walk
+    reads every attribute through HDF5: ~1-3 ms, most of opening a part). Only files that passed
+    are remembered.
+
+    Raises:
+        FormatError: what :func:`check_structure` refused.
+    """
+    try:
+        ident: tuple[int, ...] | None = _identity(os.fstat(f.id.get_vfd_handle()))
+    except Exception:  # (a driver without a descriptor: no reuse)
+        ident = None
+    st = _cached(ident)
+    if st is None:
+        st = check_structure(f, where)
+        if ident is not None:
+            with _CHECKED_LOCK:
+                _CHECKED[ident] = st
+                while len(_CHECKED) > _CHECKED_MAX:
+                    _CHECKED.popitem(last=False)
+    return st
+
+
+def records_end(path: Path) -> int:
+    """``record_start + records`` of a complete file (its root attributes, checked). A file not
+    seen before is walked whole (:func:`checked_structure`: the open that follows its discovery
+    then reuses the walk); one the walk refuses falls back to its root attributes, so the caller
+    decides about the damage as before.
+
+    Raises:
+        OSError: HDF5 cannot open it. FormatError: bad root attributes.
+    """
+    st = _cached(_identity(os.stat(path)))
+    if st is None:
+        with h5py.File(path, "r", rdcc_nbytes=0) as f:
+            try:
+                st = checked_structure(f, str(path))
+            except Exception:
+                st = None
+            a = st.attrs[""] if st is not None else root_attrs(f, str(path))
+    else:
+        a = st.attrs[""]
+    return int(a["record_start"]) + int(a["records"])
 
 
 def root_attrs(f: h5py.File, where: str) -> dict[str, Any]:

@@ -23,7 +23,7 @@ import numpy as np
 
 from . import dtypes
 from ._filters import ensure_filters
-from ._h5check import HINT, Structure, attr_str, check_structure, damaged
+from ._h5check import HINT, Structure, attr_str, checked_structure, damaged
 from .errors import FormatError, HooklineError, StorageError
 from .format import FILE_FORMAT, FORMAT_VERSION, INDEX_GROUP, MAX_STEP, check_field_name
 
@@ -354,7 +354,7 @@ class Part:
                 f"{w!r} has format_version {version}; this hookline reads <= {FORMAT_VERSION}: upgrade hookline"
             )
         _check_root_attrs(a, w)
-        self.attrs = a
+        self.attrs = dict(a)  # (the structure may be shared: see checked_structure)
         self.field_names: list[str] = _field_names(a.get("fields", "[]"), w, st)
         _index_ds(st, "step", self.n, w)
         _index_ds(st, "call", self.n, w)
@@ -447,7 +447,8 @@ def _identity(path: Path) -> tuple[int, int, int, int]:
 
 def open_part(path: Path, lru: FileLRU | None = None) -> Part:
     """Open a complete handle file read-only (kept open at most as ``lru`` allows), after
-    :func:`check_structure`: nothing outside the file is ever followed or read.
+    :func:`~._h5check.checked_structure` (the structure walk, once per file per process):
+    nothing outside the file is ever followed or read.
 
     Raises:
         FormatError: not a hookline handle file, an unsupported version, or damaged (anything
@@ -456,7 +457,7 @@ def open_part(path: Path, lru: FileLRU | None = None) -> Part:
     """
     f = h5py.File(path, "r", rdcc_nbytes=0)
     try:
-        return Part(path, f, check_structure(f, str(path)), lru)
+        return Part(path, f, checked_structure(f, str(path)), lru)
     except BaseException as e:
         f.close()
         if isinstance(e, (HooklineError, MemoryError)) or not isinstance(e, Exception):

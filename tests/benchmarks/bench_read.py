@@ -1,0 +1,138 @@
+"""One-record reads through hookline against plain h5py on the same file (a script, not collected
+by pytest). Prints ratios measured in one run, variants interleaved.
+
+    .venv/bin/python tests/benchmarks/bench_read.py [--rounds 40] [--dir DIR]
+
+For each record size (8 MiB, 256 KiB, 4 KiB float32; a closed run written by ``RunWriter``):
+
+* **open + one record**: ``open_run(run)[handle][field][i]`` against
+  ``h5py.File(path, "r")[field][i]`` (both open the file, read one record, close), **warm**
+  (file in the page cache) and **cold** (the file's pages dropped first: as root
+  ``echo 1 > /proc/sys/vm/drop_caches`` when ``--drop-caches`` is given and allowed, else
+  ``posix_fadvise(POSIX_FADV_DONTNEED)`` on the file).
+* **one record, file open**: ``field[i]`` of an open run against ``ds[i]`` of an open h5py dataset.
+
+Target (issue 25): hookline <= 1.5x plain h5py, warm and cold. Each ratio is the median over
+rounds of the per-round ratio (random record, both variants read the same record, order
+alternating).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import h5py
+import numpy as np
+
+from hookline.storage import RunWriter, open_run
+
+HID = "outputs[layer]"
+FIELD = "outputs.0"
+SIZES = {"8 MiB": (2048, 1024), "256 KiB": (64, 1024), "4 KiB": (1024,)}
+
+
+def _write_run(d: Path, shape: tuple[int, ...], n: int) -> Path:
+    run = d / f"run-{'x'.join(map(str, shape))}"
+    rng = np.random.default_rng(0)
+    pool = [rng.standard_normal(shape).astype(np.float32) for _ in range(4)]
+    with RunWriter(run, fsync=False) as w:
+        w.add_handle(HID)
+        for i in range(n):
+            w.write(HID, i, 0, {FIELD: pool[i % 4].copy()})
+    return run
+
+
+def _drop(path: Path, use_proc: bool) -> None:
+    if use_proc:
+        try:
+            os.sync()
+            with open("/proc/sys/vm/drop_caches", "w") as f:
+                f.write("1\n")
+            return
+        except OSError:
+            pass
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def _hookline_open_read(run: Path, i: int) -> float:
+    t = time.perf_counter()
+    with open_run(run) as r:
+        r[HID][FIELD][i]
+    return time.perf_counter() - t
+
+
+def _h5py_open_read(path: Path, i: int) -> float:
+    t = time.perf_counter()
+    with h5py.File(path, "r") as f:
+        f[FIELD][i]
+    return time.perf_counter() - t
+
+
+def bench_size(run: Path, n: int, rounds: int, use_proc: bool, seed: int = 0) -> dict[str, float]:
+    path = run / "outputs" / "layer.h5"
+    rng = np.random.default_rng(seed)
+    ratios: dict[str, list[float]] = {"warm": [], "cold": [], "open": []}
+    times: dict[str, list[float]] = {k: [] for k in ("h_warm", "p_warm", "h_cold", "p_cold", "h_open", "p_open")}
+    _hookline_open_read(run, 0), _h5py_open_read(path, 0)  # (imports, first touch)
+    with open_run(run) as r, h5py.File(path, "r") as f:
+        fld, ds = r[HID][FIELD], f[FIELD]
+        fld[0], ds[0]
+        for k in range(rounds):
+            i = int(rng.integers(n))
+            order = (0, 1) if k % 2 == 0 else (1, 0)
+            got = {}
+            for which in order:  # warm, open and close included
+                got[which] = _hookline_open_read(run, i) if which == 0 else _h5py_open_read(path, i)
+            ratios["warm"].append(got[0] / got[1])
+            times["h_warm"].append(got[0]), times["p_warm"].append(got[1])
+            for which in order:  # cold
+                _drop(path, use_proc)
+                got[which] = _hookline_open_read(run, i) if which == 0 else _h5py_open_read(path, i)
+            ratios["cold"].append(got[0] / got[1])
+            times["h_cold"].append(got[0]), times["p_cold"].append(got[1])
+            for which in order:  # file already open, warm
+                t = time.perf_counter()
+                fld[i] if which == 0 else ds[i]
+                got[which] = time.perf_counter() - t
+            ratios["open"].append(got[0] / got[1])
+            times["h_open"].append(got[0]), times["p_open"].append(got[1])
+    out = {k: float(np.median(v)) for k, v in ratios.items()}
+    out.update({k: float(np.median(v)) * 1e3 for k, v in times.items()})
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=40)
+    ap.add_argument("--dir", default=None, help="directory on the disk to measure (default: a temp dir)")
+    ap.add_argument("--drop-caches", action="store_true",
+                    help="cold reads drop the whole page cache (needs root) instead of the file's pages")
+    args = ap.parse_args()
+    d = Path(tempfile.mkdtemp(prefix="hookline-bench-read-", dir=args.dir))
+    try:
+        print(f"== one record: open_run(run)[h][f][i] vs h5py.File(path)[f][i], median of {args.rounds} rounds "
+              f"(ms; ratio = median of per-round ratios; target <= 1.5x)")
+        for label, shape in SIZES.items():
+            nbytes = 4 * int(np.prod(shape))
+            n = max(8, min(4096, (256 << 20) // nbytes))
+            run = _write_run(d, shape, n)
+            r = bench_size(run, n, args.rounds, args.drop_caches)
+            print(f"  {label:8s} ({n} records)  warm: hookline {r['h_warm']:.3f} ms, h5py {r['p_warm']:.3f} ms, "
+                  f"RATIO {r['warm']:.2f}x | cold: {r['h_cold']:.3f} / {r['p_cold']:.3f} ms, RATIO {r['cold']:.2f}x "
+                  f"| file open: {r['h_open']:.3f} / {r['p_open']:.3f} ms, RATIO {r['open']:.2f}x")
+            shutil.rmtree(run)
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
