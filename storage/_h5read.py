@@ -367,7 +367,8 @@ class Part:
             lru.touch(self)
 
     def _index(self, name: str) -> np.ndarray:
-        arr = self.f[name][: self.n].astype(np.int64)
+        with _reading(str(self.path), f"index {name!r}"):
+            arr = self.f[name][: self.n].astype(np.int64)
         if len(arr) != self.n:
             raise damaged(str(self.path), f"{name!r} has {len(arr)} entries, expected {self.n}")
         return arr
