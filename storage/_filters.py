@@ -29,7 +29,7 @@ _BLOSC2_LEVELS = range(0, 10)
 #: Blosc2's pre-filters by spec word (hdf5plugin.Blosc2 ``filters``: 0 none, 1 byte, 2 bit shuffle).
 _BLOSC2_SHUFFLES = {"noshuffle": 0, "shuffle": 1, "bitshuffle": 2}
 #: What a bare ``"blosc2"`` means: the codec the table in docs/performance.md picked.
-BLOSC2_DEFAULT = "blosc2-zstd-1-bitshuffle"
+BLOSC2_DEFAULT = "blosc2-lz4-5-bitshuffle"
 #: Appended to a spec to add HDF5's fletcher32 checksum to every chunk (``"none+checksum"``).
 CHECKSUM_SUFFIX = "+checksum"
 _USAGE = ("use None, 'none', 'gzip', 'gzip-<0..9>', 'lzf', 'zstd', 'zstd-<1..22>', 'lz4', 'blosc2' or "

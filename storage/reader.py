@@ -61,6 +61,8 @@ class LocalSource:
     def __init__(self, root: str | os.PathLike[str]):
         self.root = Path(root)
         self._confined = RunRoot(self.root)  # (resolved once: every path of the run is checked against it)
+        #: ids of the manifests :meth:`manifests` returned already checked (read_manifest checks them)
+        self.checked: set[int] = set()
 
     def manifests(self) -> list[dict[str, Any]]:
         """Parsed manifests (``manifest.json`` / ``manifest.rank<r>.json``); synthesised from the
@@ -72,7 +74,9 @@ class LocalSource:
         """
         found = sorted(p.name for p in self.root.iterdir() if MANIFEST_RE.fullmatch(p.name))
         if found:
-            return [read_manifest(self._confined.file(n, what="manifest")) for n in found]
+            out = [read_manifest(self._confined.file(n, what="manifest")) for n in found]
+            self.checked = {id(m) for m in out}  # (read_manifest checked them: Run need not again)
+            return out
         manifests = synthesise_manifests(self.root)
         if not manifests:
             raise _not_a_run(self.root)
@@ -175,8 +179,10 @@ class Run:
         self.source = source
         self.path = where
         self.manifests = list(source.manifests())
+        checked = getattr(source, "checked", ())
         for i, m in enumerate(self.manifests):
-            check_manifest(m, f"{where} manifest #{i}")
+            if id(m) not in checked:
+                check_manifest(m, f"{where} manifest #{i}")
         self.manifests.sort(key=lambda m: -1 if m.get("rank") is None else m["rank"])
         first = self.manifests[0] if self.manifests else {}
         self.meta: dict[str, Any] = dict(first.get("meta") or {})

@@ -165,5 +165,5 @@ def test_spec_of_dataset_round_trips(tmp_path):
             ds = f.create_dataset(spec, shape=(4, 8), dtype=np.float32, chunks=(2, 8), **compression_kwargs(spec))
             assert spec_of_dataset(ds) == spec
         assert spec_of_dataset(f.create_dataset("plain", shape=(2,), dtype=np.float32, chunks=(1,))) is None
-    assert parse_spec("blosc2+checksum")[1] == {"name": "blosc2", "level": 1, "checksum": True, "cname": "zstd",
+    assert parse_spec("blosc2+checksum")[1] == {"name": "blosc2", "level": 5, "checksum": True, "cname": "lz4",
                                                 "shuffle": "bitshuffle"}
