@@ -12,6 +12,8 @@ For each record size (8 MiB, 256 KiB, 4 KiB float32; a closed run written by ``R
   ``posix_fadvise(POSIX_FADV_DONTNEED)`` on the file).
   A cold round reads two records no variant read before, one per variant (a VM's host keeps what
   the guest read: dropping the guest's pages does not make a record read before cold again).
+* **first open in a process**: the same, timed inside a fresh process per try (hookline walks a
+  file's structure once per process; the rows above reuse that walk after their first round).
 * **one record, file open**: ``field[i]`` of an open run against ``ds[i]`` of an open h5py dataset.
 
 Target (issue 25): hookline <= 1.5x plain h5py, warm and cold. Each ratio is the median over
@@ -132,10 +134,43 @@ def bench_size(run: Path, n: int, rounds: int, use_proc: bool, tries: int = 3, s
     return out
 
 
+_CHILD = """
+import sys, time
+from pathlib import Path
+import h5py
+from hookline.storage import open_run
+run, i, which = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+t = time.perf_counter()
+if which == "hookline":
+    with open_run(run) as r:
+        r["%s"]["%s"][i]
+else:
+    with h5py.File(run / "outputs" / "layer.h5", "r") as f:
+        f["%s"][i]
+print(time.perf_counter() - t)
+""" % (HID, FIELD, FIELD)
+
+
+def bench_first_open(run: Path, n: int, children: int) -> tuple[float, float]:
+    """Median seconds of open + one record in a fresh process (the first open of a file in a
+    process walks its structure: later opens reuse the walk), hookline and h5py."""
+    import subprocess
+    import sys
+
+    got: dict[str, list[float]] = {"hookline": [], "h5py": []}
+    for k in range(children):
+        for which in (("hookline", "h5py") if k % 2 == 0 else ("h5py", "hookline")):
+            out = subprocess.run([sys.executable, "-c", _CHILD, str(run), str(k % n), which], check=True,
+                                 capture_output=True, text=True).stdout
+            got[which].append(float(out))
+    return float(np.median(got["hookline"])), float(np.median(got["h5py"]))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=40)
     ap.add_argument("--dir", default=None, help="directory on the disk to measure (default: a temp dir)")
+    ap.add_argument("--children", type=int, default=6, help="fresh processes per variant for the first-open row")
     ap.add_argument("--drop-caches", action="store_true",
                     help="cold reads drop the whole page cache (needs root) instead of the file's pages")
     args = ap.parse_args()
@@ -148,9 +183,12 @@ def main() -> None:
             n = max(2 * args.rounds + 8, min(4096, (256 << 20) // nbytes))  # (fresh records for cold reads)
             run = _write_run(d, shape, n)
             r = bench_size(run, n, args.rounds, args.drop_caches)
+            fh, fp = bench_first_open(run, n, args.children)
             print(f"  {label:8s} ({n} records)  warm: hookline {r['h_warm']:.3f} ms, h5py {r['p_warm']:.3f} ms, "
                   f"RATIO {r['warm']:.2f}x | cold: {r['h_cold']:.3f} / {r['p_cold']:.3f} ms, RATIO {r['cold']:.2f}x "
                   f"| file open: {r['h_open']:.3f} / {r['p_open']:.3f} ms, RATIO {r['open']:.2f}x")
+            print(f"  {'':8s} first open in a fresh process (warm page cache): hookline {fh * 1e3:.3f} ms, "
+                  f"h5py {fp * 1e3:.3f} ms, RATIO {fh / fp:.2f}x")
             shutil.rmtree(run)
     finally:
         shutil.rmtree(d, ignore_errors=True)
