@@ -10,8 +10,9 @@ For each record size (8 MiB, 256 KiB, 4 KiB float32; a closed run written by ``R
   (file in the page cache) and **cold** (the file's pages dropped first: as root
   ``echo 1 > /proc/sys/vm/drop_caches`` when ``--drop-caches`` is given and allowed, else
   ``posix_fadvise(POSIX_FADV_DONTNEED)`` on the file).
-  A cold round reads two records no variant read before, one per variant (a VM's host keeps what
-  the guest read: dropping the guest's pages does not make a record read before cold again).
+  A cold round reads a record from each of two chunks nothing read before, one per variant (a
+  VM's host keeps what the guest read: dropping the guest's pages does not make a chunk read
+  before cold again; plain h5py reads whole chunks).
 * **first open in a process**: the same, timed inside a fresh process per try (hookline walks a
   file's structure once per process; the rows above reuse that walk after their first round).
 * **one record, file open**: ``field[i]`` of an open run against ``ds[i]`` of an open h5py dataset.
@@ -111,12 +112,17 @@ def bench_size(run: Path, n: int, rounds: int, use_proc: bool, tries: int = 3, s
                 return time.perf_counter() - t
             return go
 
-        # Cold reads take records no variant read before (on a VM the host's cache keeps what the
-        # guest read: a record read once reads fast again even after the guest dropped it).
-        fresh = [int(x) for x in rng.permutation(n)]
+        # Cold reads take records of chunks nothing read before (on a VM the host's cache keeps what
+        # the guest read: a chunk read once reads fast again even after the guest dropped it; plain
+        # h5py reads whole chunks). Warm reads stay in the first 4 chunks.
+        c0 = int(ds.chunks[0])
+        fresh = [int(x) for x in rng.permutation(np.arange(4, n // c0))]
         for k in range(rounds):
-            i = int(rng.integers(n))
-            ci, cj = (fresh.pop(), fresh.pop()) if len(fresh) >= 2 else (i, i)
+            i = int(rng.integers(min(n, 4 * c0)))
+            if len(fresh) >= 2:
+                ci, cj = (fresh.pop() * c0 + int(rng.integers(c0)) for _ in range(2))
+            else:
+                ci = cj = i
             variants = {
                 "warm": (lambda: _hookline_open_read(run, i), lambda: _h5py_open_read(path, i)),
                 "cold": (cold(lambda: _hookline_open_read(run, ci)), cold(lambda: _h5py_open_read(path, cj))),
@@ -180,7 +186,8 @@ def main() -> None:
               f"(ms; ratio = median of per-round ratios; target <= 1.5x)")
         for label, shape in SIZES.items():
             nbytes = 4 * int(np.prod(shape))
-            n = max(2 * args.rounds + 8, min(4096, (256 << 20) // nbytes))  # (fresh records for cold reads)
+            c0 = max(1, min(4096, (1 << 20) // nbytes))  # (records per chunk: 256 KiB -> 4, 4 KiB -> 256)
+            n = c0 * (2 * args.rounds + 6)  # (a fresh chunk for every cold read)
             run = _write_run(d, shape, n)
             r = bench_size(run, n, args.rounds, args.drop_caches)
             fh, fp = bench_first_open(run, n, args.children)
