@@ -257,9 +257,12 @@ class PartField:
 
     def read_stored(self, j: int) -> np.ndarray:
         """Entry ``j`` (0-based within this file) in its stored dtype."""
-        with _reading(self._where, f"field {self.name!r}: entry {j}"):
-            if self.shape is not None:
+        if self.shape is not None:
+            try:  # (no context manager on the one-record path: it costs as much as a small read)
                 return self.ds[j]
+            except OSError as e:
+                _raise_damage(e, self._where, f"field {self.name!r}: entry {j}")
+        with _reading(self._where, f"field {self.name!r}: entry {j}"):
             shp = self.record_shape(j)
             off = int(self.offsets[j])
             return self.ds[off : off + math.prod(shp)].reshape(shp)
@@ -280,9 +283,14 @@ def _reading(where: str, what: str) -> Iterator[None]:
     except HooklineError:
         raise  # (already says what is wrong: a closed run, a refused file)
     except OSError as e:
-        if e.errno is not None:
-            raise
-        raise damaged(where, f"{what} does not read ({e})") from e
+        _raise_damage(e, where, what)
+
+
+def _raise_damage(e: OSError, where: str, what: str) -> None:
+    """Raise what :func:`_reading` makes of an ``OSError`` (a hookline error passes unchanged)."""
+    if e.errno is not None or isinstance(e, HooklineError):
+        raise e
+    raise damaged(where, f"{what} does not read ({e})") from e
 
 
 class FileLRU:
@@ -298,8 +306,8 @@ class FileLRU:
 
     def touch(self, part: Part) -> None:
         """Mark ``part`` used now (its file is open); close the least recently used beyond capacity."""
+        key = id(part)
         with self._lock:
-            key = id(part)
             if key in self._open:
                 self._open.move_to_end(key)
                 return

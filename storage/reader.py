@@ -20,6 +20,7 @@ so splitting them would pass private names between modules.)
 
 from __future__ import annotations
 
+import bisect
 import os
 import warnings
 from functools import cached_property
@@ -474,6 +475,10 @@ class Field:
         shapes = {pf.shape for _, pf in segs}
         self._shape = shapes.pop() if len(shapes) == 1 else None
         self._cum = np.cumsum([0] + [pf.count for _, pf in segs]).astype(np.int64)
+        # (plain ints for the one-record path: numpy scalars and searchsorted cost microseconds
+        # per record, as much as HDF5's own read of a small record)
+        self._bounds: list[int] = self._cum.tolist()
+        self._n = self._bounds[-1]
 
     # --- metadata -------------------------------------------------------------------------------------
     @property
@@ -497,7 +502,7 @@ class Field:
         return self._shape is None
 
     def __len__(self) -> int:
-        return int(self._cum[-1])
+        return self._n
 
     @cached_property
     def records(self) -> np.ndarray:
@@ -543,8 +548,10 @@ class Field:
             raise RecordIndexError(
                 f"record {i!r} out of range for field {self.name!r} of {self.handle.id!r}, which has {n} "
                 f"records (valid: 0..{n - 1}, or negative from the end)")
-        s = int(np.searchsorted(self._cum, ii, side="right")) - 1
-        return s, ii - int(self._cum[s])
+        if len(self._bounds) == 2:  # (one part: the usual closed run)
+            return 0, ii
+        s = bisect.bisect_right(self._bounds, ii) - 1
+        return s, ii - self._bounds[s]
 
     def _stored(self, i: int) -> np.ndarray:
         s, j = self._locate(i)
