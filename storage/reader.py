@@ -13,7 +13,7 @@ Data comes from a *source* with two methods, so local directories and MLflow run
 A source may also offer ``discover(key, suffix) -> _parts.Discovery`` to list segment files
 (the local source does; remote sources provide only the final files named in the manifest).
 
-(~660 lines, kept in one file: :class:`Run`, :class:`Handle`, :class:`LazyPart` and
+(~680 lines, kept in one file: :class:`Run`, :class:`Handle`, :class:`LazyPart` and
 :class:`Field` share private state - a Field reads its handle's opened parts and record offsets -
 so splitting them would pass private names between modules.)
 """
