@@ -28,6 +28,7 @@ from .options import (
 BASE_FILTER = f"tags.`{VERSION_TAG}` LIKE '%'"
 
 _HANDLES = re.compile(r"^hookline\.handles(?:-rank\d+)?$")
+_BYTES = re.compile(r"^hookline\.bytes(?:-rank\d+)?$")
 _HAS = re.compile(r"^hookline\.has\.(.+)$")
 _STATUS = {"FINISHED": "done", "RUNNING": "running", "FAILED": "failed", "KILLED": "killed",
            "SCHEDULED": "sched"}
@@ -49,6 +50,8 @@ def run_info(run: Any, experiments: dict[str, str]) -> dict[str, Any]:
             head = str(v).split(":", 1)[0]
             if head.isdigit():
                 size += int(head)
+    if any(_BYTES.match(k) for k in tags):  # (runs synced by earlier builds have per-file `synced` tags only)
+        size = sum(int(v) for k, v in tags.items() if _BYTES.match(k) and str(v).isdigit())
     types = sorted(m.group(1) for k in tags if (m := _HAS.match(k)))
     info = run.info
     start = _dt.datetime.fromtimestamp(info.start_time / 1000, _dt.timezone.utc).isoformat(timespec="seconds") \
