@@ -127,7 +127,7 @@ class Uploader:
         if not re.fullmatch(r"[\w\-]+", run_id):
             raise InvalidArgumentError(
                 f"MLflow run id {run_id!r} is not valid: pass the 32-hex id of an existing run "
-                "(e.g. mlflow.start_run().info.run_id or `mlflow runs list`)"
+                "(e.g. mlflow.start_run().info.run_id or `mlflow runs list --experiment-id <id>`)"
             )
         if rank is not None and (not isinstance(rank, int) or rank < 0):
             raise InvalidArgumentError(f"rank {rank!r} is not valid: pass a non-negative int or None")
