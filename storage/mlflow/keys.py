@@ -71,7 +71,7 @@ def tag_key(handle_id: str, name: str, *, rank: int | None = None) -> str:
 
     Args:
         handle_id: the hook handle id, e.g. ``"outputs[blocks.0]"``.
-        name: tag name: ``id``, ``module`` or ``records`` (see :data:`~.runpage.HANDLE_TAGS`).
+        name: tag name: ``id`` or ``records`` (see :data:`~.runpage.HANDLE_TAGS`).
         rank: the distributed rank, if the run was recorded with one.
 
     Returns:

@@ -2,7 +2,8 @@
 
 The run page draws one chart per metric key, so every metric hookline logs is a series with a
 point per record (a one-point metric is a chart with a single dot), and tags are only what a
-person reads or searches: the handle id, its module and its record count. Everything else a
+person reads or searches: the handle id and its record count (the module's name is part of
+the key). Everything else a
 handle has (fields, shapes, dtypes) is in the uploaded manifest; sync bookkeeping (file
 digests) is in the ``hookline/sync*.json`` artifact (:mod:`.syncstate`).
 """
@@ -18,25 +19,24 @@ from .rundir import NormSeries
 
 __all__ = ["HANDLE_TAGS", "METRIC_STATS", "handle_tags", "norm_points"]
 
-#: The tags of one handle (``hookline.K/<name>``): its id, its module, the records whose norms are
-#: logged (also the watermark of the next pass).
-HANDLE_TAGS = ("id", "module", "records")
+#: The tags of one handle (``hookline.K/<name>``): its id and the records whose norms are logged
+#: (also the watermark of the next pass).
+HANDLE_TAGS = ("id", "records")
 #: The metric series of one field (``hookline.K/<field>.<stat>``): the norm of every record, and
 #: its running maximum (whose latest value is the maximum so far, for search filters).
 METRIC_STATS = ("norm", "norm_max")
 
 
-def handle_tags(handle_id: str, entry: dict, records: int, *, rank: int | None) -> dict[str, str]:
+def handle_tags(handle_id: str, records: int, *, rank: int | None) -> dict[str, str]:
     """The :data:`HANDLE_TAGS` of one handle.
 
     Args:
         handle_id: the handle id.
-        entry: its manifest entry (``module_name``).
         records: records whose norms the run holds.
         rank: the rank in the keys (None: unranked).
     """
-    vals = {"id": handle_id, "module": entry.get("module_name"), "records": str(records)}
-    return {tag_key(handle_id, k, rank=rank): cut_tag_value(str(v)) for k, v in vals.items() if v is not None}
+    vals = {"id": handle_id, "records": str(records)}
+    return {tag_key(handle_id, k, rank=rank): cut_tag_value(v) for k, v in vals.items()}
 
 
 def norm_points(handle_id: str, series: list[NormSeries], created: int, *, rank: int | None) -> list[Any]:

@@ -324,7 +324,7 @@ class _Pass:
                                               "(run `hookline verify` on the run directory)")
                     continue
                 metrics.extend(norm_points(plan.handle_id, series, created_ms(plan.manifest), rank=plan.rank))
-            tags.update(handle_tags(plan.handle_id, plan.entry, max(n_total, done), rank=plan.rank))
+            tags.update(handle_tags(plan.handle_id, max(n_total, done), rank=plan.rank))
             t = module_type_tag(plan.entry.get("module_type"))
             if t:
                 type_tags.add(t)

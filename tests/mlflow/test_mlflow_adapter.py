@@ -75,11 +75,11 @@ def test_keys_are_valid_and_collision_free_for_awkward_ids():
                     k = metric_key(hid, f, stat, rank=rank)
                     assert re.fullmatch(r"[/\w.\- ]*", k) and len(k) <= 250, k
                     keys.add(k)
-            for name in ("id", "module", "records"):
+            for name in ("id", "records"):
                 k = tag_key(hid, name, rank=rank)
                 assert re.fullmatch(r"[/\w.\- ]*", k) and len(k) <= 250, k
                 keys.add(k)
-    assert len(keys) == len(ids) * 3 * (6 + 3)
+    assert len(keys) == len(ids) * 3 * (6 + 2)
 
 
 def test_parse_run_uri_forms_and_errors():
@@ -170,10 +170,9 @@ def test_sync_uploads_files_tags_and_metrics(store, new_run, tmp_path):
         assert sha256(Path(got)) == sha256(built.path / rel)
     run = client.get_run(rid)
     tags = run.data.tags
-    # per handle: its id, its module and its record count; nothing else (the rest is in the manifest)
+    # per handle: its id and its record count; nothing else (the rest is in the manifest)
     assert {k: v for k, v in tags.items() if k.startswith("hookline.grads/")} == {
         tag_key("grads[blocks.0]", "id"): "grads[blocks.0]",
-        tag_key("grads[blocks.0]", "module"): "blocks.0",
         tag_key("grads[blocks.0]", "records"): "6",
     }
     assert tags[tag_key("outputs[blocks.0]", "id")] == "outputs[blocks.0]"
