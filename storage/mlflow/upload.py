@@ -142,6 +142,7 @@ class Uploader:
         self._client_lock = threading.Lock()
         self._pass_lock = threading.Lock()
         self._hashes: dict[Path, tuple[tuple[int, int], str]] = {}  # file digests, by (size, mtime)
+        self.state: SyncState | None = None  # the run's sync record, read once (this uploader updates it)
 
     @property
     def client(self) -> Any:
@@ -209,7 +210,9 @@ class _Pass:
         self.tags_now, self.params_now = dict(data.tags), dict(data.params)
         origin = _check_origin(self.run_id, self.run_dir, self.manifests, self.tags_now, self.params_now)
         if self.mode != PassMode.METRICS:
-            self.state = SyncState.load(self.client, self.run_id, self.rank, self.tags_now)
+            if self.up.state is None:
+                self.up.state = SyncState.load(self.client, self.run_id, self.rank, self.tags_now)
+            self.state = self.up.state
         self.plans = self._plan_handles()
         uploads = self._files_to_upload()
         running = _ParallelUploads(self.client, self.run_id, uploads, self.up.max_workers)
