@@ -124,6 +124,15 @@ class ModuleHooks:
 
     # --- torch hooks -----------------------------------------------------------------------
     def _pre_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        if self.bwd and _is_compiling():
+            # Backward hooks build autograd state Dynamo cannot trace: the call's hooks run
+            # eagerly (a graph break before and after the module; docs/capture.md, Training stacks).
+            return _eager_pre_hook(self, module, args, kwargs)
+        return self._run_pre_hooks(module, args, kwargs, compiled=False)
+
+    def _run_pre_hooks(
+        self, module: nn.Module, args: tuple, kwargs: dict, compiled: bool
+    ) -> tuple[tuple, dict] | None:
         bwd = self.bwd
         if bwd:
             self._pending.append(None)  # popped by the forward hook even if this hook raises
@@ -143,8 +152,10 @@ class ModuleHooks:
         if bwd and torch.is_grad_enabled():
             call = BackwardCall(module, bwd, leaves)
             single = (
-                single_op_input(module, leaves) if call.in_index and self._single_op and self._passive_fwd else None
-            )
+                single_op_input(module, leaves)
+                if call.in_index and self._single_op and self._passive_fwd and not compiled
+                else None
+            )  # (in a compiled region the op runs inside a graph: its node is the graph's)
             if single is not None and self._outermost():
                 call.note_input(*single, self)  # its gradient comes from the op's node (no identity node)
                 self._pending[-1] = call
@@ -186,12 +197,19 @@ class ModuleHooks:
         )
 
     def _forward_hook(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
-        entry = self._pending.pop() if self._pending else None
         if output is None and _forward_raised():
             # torch calls always_call hooks only to let them clean up. (No deferred removal
             # here: torch's handler iterates the module's hook dict itself; the next call or
             # close() removes the hook.)
+            if self._pending:
+                self._pending.pop()
             return None
+        if self.bwd and _is_compiling():
+            return _eager_forward_hook(self, module, args, kwargs, output)
+        return self._run_forward_hooks(module, args, kwargs, output)
+
+    def _run_forward_hooks(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+        entry = self._pending.pop() if self._pending else None
         if not self._pending and not (self.fwd or self.bwd) and self._torch_fwd is not None:
             self._sync()  # deactivated while this call ran: the deferred removal
         # A single-op call's node is found before the forward hooks run: one of them may modify
@@ -231,6 +249,19 @@ class ModuleHooks:
         return None
 
 
+@torch._dynamo.disable
+def _eager_pre_hook(hooks: ModuleHooks, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+    """The pre-hook of a call with backward hooks in a compiled region, run outside Dynamo."""
+    return hooks._run_pre_hooks(module, args, kwargs, compiled=True)
+
+
+@torch._dynamo.disable
+def _eager_forward_hook(hooks: ModuleHooks, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+    """The forward hook of a call with backward hooks in a compiled region, run outside Dynamo."""
+    return hooks._run_forward_hooks(module, args, kwargs, output)
+
+
+_is_compiling = torch.compiler.is_compiling
 _functorch_active = torch._C._are_functorch_transforms_active
 _warned_transform = False
 
