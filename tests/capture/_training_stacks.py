@@ -58,7 +58,8 @@ def train(model: nn.Module, data: list, step_ctx: Callable[[int], Any], *, sampl
         opt.step()
 
 
-def reference(model: nn.Module, names: list[str], data: list, *, every: int = 1, grads: bool = True) -> Records:
+def reference(model: nn.Module, names: list[str], data: list, *, every: int = 1, grads: bool = True,
+              steps: set[int] | None = None) -> Records:
     """Records of the named modules made with plain torch hooks while ``model`` trains eagerly.
 
     Handle ids are the recorder's defaults (``outputs[<name>]``, ``grads[<name>]``).
@@ -68,7 +69,7 @@ def reference(model: nn.Module, names: list[str], data: list, *, every: int = 1,
     by_name = dict(model.named_modules())
 
     def note(hid: str, field: str, t: torch.Tensor | None) -> None:
-        if t is None or state["step"] % every:
+        if t is None or (state["step"] % every if steps is None else state["step"] not in steps):
             return
         out[(hid, field)].append((state["step"], state["calls"][(hid, field)], t.detach().clone().numpy()))
         state["calls"][(hid, field)] += 1

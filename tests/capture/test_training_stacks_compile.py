@@ -103,6 +103,44 @@ def test_sampling_under_compile_adds_no_graph_after_two_periods(tmp_path, backen
     assert counts[7][0] > 0
 
 
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_first_compiled_step_not_sampled(tmp_path, backend):
+    """The model compiles first on a step the recorder does not sample (its hooks are off):
+    the sampled steps after it still record (torch's default would reuse the hook-less graph)."""
+    model, data = _model(), batches(6)
+    want = reference(twin(model), NAMES, data, steps={2, 5})
+    got = record_run(tmp_path / "run", model, NAMES, data, steps=[2, 5],
+                     run_model=torch.compile(model, backend=backend))
+    assert_same_records(got, want)
+
+
+def test_paused_evaluation_before_training(tmp_path):
+    """A pass under rec.paused() (grad mode on, as a loss computed for logging) compiles the
+    model first; training then records."""
+    model, data = _model(), batches(3)
+    want = reference(twin(model), NAMES, data)
+    compiled = torch.compile(model, backend="aot_eager")
+    mgr = HookManager()
+    with Recorder(tmp_path / "run") as rec:
+        mgr.register_forward_hook(rec.outputs, **mods(model, NAMES))
+        mgr.register_backward_hook(rec.grads, **mods(model, NAMES))
+        with rec.paused():
+            compiled(data[0][0])
+        train(compiled, data, rec.step, params=model)
+    assert_same_records(recorded(tmp_path / "run"), want)
+
+
+def test_steps_not_sampled_run_without_graph_breaks(tmp_path):
+    """Outputs and grads hooked, no step sampled: the compiled model runs with fullgraph=True."""
+    model, data = _model(), batches(3)
+    mgr = HookManager()
+    with Recorder(tmp_path / "run", steps=[100]) as rec:
+        mgr.register_forward_hook(rec.outputs, **mods(model, NAMES))
+        mgr.register_backward_hook(rec.grads, **mods(model, NAMES))
+        train(torch.compile(model, backend="aot_eager", fullgraph=True), data, rec.step, params=model)
+    assert dynamo_utils.counters["graph_break"] == {}
+
+
 def test_deactivated_hooks_compile_with_fullgraph(tmp_path):
     """Deactivated recorder hooks (also backward ones) leave the model fully compilable, and the
     handles record again once activated."""

@@ -69,8 +69,8 @@ class ModuleHooks:
         self.pre: tuple[HookHandle, ...] = ()
         self.fwd: tuple[HookHandle, ...] = ()
         self.bwd: tuple[HookHandle, ...] = ()
-        self._torch_pre: RemovableHandle | None = None
-        self._torch_fwd: RemovableHandle | None = None
+        self._torch_pre = _TorchHook(module, "pre", self._pre_hook)
+        self._torch_fwd = _TorchHook(module, "fwd", self._forward_hook)
         # One entry per call between pre-hook and forward hook (a stack: calls can nest).
         self._pending: list[PendingInputs | BackwardCall | None] = []
         self._single_op = True  # False once a single-op call's check failed (see backward.py)
@@ -97,30 +97,20 @@ class ModuleHooks:
         self._passive_fwd = all(is_passive(h.hook_fn.fn) for h in self.fwd)
         need_pre = bool(self.pre or self.bwd)
         need_fwd = bool(self.fwd or self.bwd)
-        if need_pre and self._torch_pre is None:
-            self._torch_pre = self.module.register_forward_pre_hook(self._pre_hook, with_kwargs=True)
-        elif not need_pre and self._torch_pre is not None:
-            self._torch_pre.remove()
-            self._torch_pre = None
-        if need_fwd and self._torch_fwd is None:
-            self._torch_fwd = self.module.register_forward_hook(
-                self._forward_hook, with_kwargs=True, always_call=True
-            )
-        elif not need_fwd and self._torch_fwd is not None and not self._pending:
+        if need_pre != self._torch_pre.attached:
+            self._torch_pre.attach(need_pre)
+        if need_fwd != self._torch_fwd.attached and (need_fwd or not self._pending):
             # (While calls are in flight, e.g. a hook of this module or of a child deactivated
             # it, the forward hook stays until they returned: it pops their state, then goes.)
-            self._torch_fwd.remove()
-            self._torch_fwd = None
+            self._torch_fwd.attach(need_fwd)
 
     def close(self) -> None:
         """Remove the torch hooks now, calls in flight or not (the manager let go of the module;
         a forward interrupted by KeyboardInterrupt never returns to pop its state)."""
         self.pre = self.fwd = self.bwd = ()
         self._pending.clear()
-        for h in (self._torch_pre, self._torch_fwd):
-            if h is not None:
-                h.remove()
-        self._torch_pre = self._torch_fwd = None
+        self._torch_pre.remove()
+        self._torch_fwd.remove()
 
     # --- torch hooks -----------------------------------------------------------------------
     def _pre_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
@@ -172,8 +162,8 @@ class ModuleHooks:
         input: forward hooks are handed it instead of an alias)."""
         m = self.module
         return (
-            self._torch_pre is not None
-            and self._torch_fwd is not None
+            self._torch_pre.attached
+            and self._torch_fwd.attached
             and next(reversed(m._forward_pre_hooks)) == self._torch_pre.id
             and len(m._forward_hooks) == 1
         )
@@ -210,7 +200,7 @@ class ModuleHooks:
 
     def _run_forward_hooks(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
         entry = self._pending.pop() if self._pending else None
-        if not self._pending and not (self.fwd or self.bwd) and self._torch_fwd is not None:
+        if not self._pending and not (self.fwd or self.bwd) and self._torch_fwd.attached:
             self._sync()  # deactivated while this call ran: the deferred removal
         # A single-op call's node is found before the forward hooks run: one of them may modify
         # or replace the output.
@@ -247,6 +237,86 @@ class ModuleHooks:
         if replaced:
             return unflatten(spec, leaves)
         return None
+
+
+def guard_module_hooks() -> None:
+    """Make torch.compile guard on module hooks (``torch._dynamo.config.skip_nnmodule_hook_guards
+    = False``), once hookline puts a hook on a module.
+
+    torch's default skips those guards: a graph compiled while a module carried no hook (a step
+    the recorder does not sample, a ``paused()`` evaluation before training, hooks deactivated)
+    would keep running after the hooks came back, and record nothing. With the guards, a
+    module's hook set selects its graph; :class:`_TorchHook` keeps hook ids and functions
+    stable, so each hook set compiles once (docs/capture.md, Training stacks).
+    """
+    global _guarding
+    if not _guarding:
+        _guarding = True
+        torch._dynamo.config.skip_nnmodule_hook_guards = False
+
+
+_guarding = False
+
+
+class _TorchHook:
+    """One torch module hook of a :class:`ModuleHooks` (its forward pre-hook or forward hook),
+    attached while some handle needs it.
+
+    It keeps its torch hook id and its function object while detached, and attaching it again
+    puts the same entries back into the module's hook dicts (at their end, as a new
+    registration would). torch.compile guards on a module's hooks by their ids and functions
+    (see :func:`guard_module_hooks`): a hook that comes back unchanged finds the graph compiled
+    for it in Dynamo's cache instead of causing a recompilation per sampled step.
+    """
+
+    __slots__ = ("module", "kind", "fn", "handle", "attached")
+
+    def __init__(self, module: nn.Module, kind: str, fn: Any) -> None:
+        self.module = module
+        self.kind = kind
+        self.fn = fn  # one bound method for the hook's life: torch.compile guards on its identity
+        self.handle: RemovableHandle | None = None
+        self.attached = False
+
+    @property
+    def id(self) -> int | None:
+        return None if self.handle is None else self.handle.id
+
+    def _dicts(self) -> tuple[dict, ...]:
+        m = self.module
+        if self.kind == "pre":
+            return m._forward_pre_hooks, m._forward_pre_hooks_with_kwargs
+        return m._forward_hooks, m._forward_hooks_with_kwargs, m._forward_hooks_always_called
+
+    def attach(self, on: bool) -> None:
+        """Put the torch hook on the module (``on``) or take it off."""
+        if on == self.attached:
+            return
+        self.attached = on
+        if self.handle is None:  # (a first registration: torch's own API)
+            guard_module_hooks()
+            if self.kind == "pre":
+                self.handle = self.module.register_forward_pre_hook(self.fn, with_kwargs=True)
+            else:
+                self.handle = self.module.register_forward_hook(self.fn, with_kwargs=True, always_call=True)
+            return
+        hid = self.handle.id
+        hooks, *flags = self._dicts()
+        if on:
+            hooks[hid] = self.fn
+            for d in flags:
+                d[hid] = True
+        else:
+            hooks.pop(hid, None)
+            for d in flags:
+                d.pop(hid, None)
+
+    def remove(self) -> None:
+        """Take the torch hook off for good."""
+        self.attached = False
+        if self.handle is not None:
+            self.handle.remove()
+            self.handle = None
 
 
 @torch._dynamo.disable
