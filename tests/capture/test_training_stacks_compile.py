@@ -103,6 +103,21 @@ def test_sampling_under_compile_adds_no_graph_after_two_periods(tmp_path, backen
     assert counts[7][0] > 0
 
 
+def test_more_hooked_modules_than_dynamos_recompile_limit(tmp_path):
+    """12 Linears with gradient capture (past Dynamo's recompile limit of 8 for the code resumed
+    after each module's graph break): still every record, as eager."""
+    torch.manual_seed(0)
+    layers: list[torch.nn.Module] = []
+    for _ in range(12):
+        layers += [torch.nn.Linear(8, 8), torch.nn.Tanh()]
+    model = torch.nn.Sequential(*layers)
+    names = [str(2 * i) for i in range(12)]
+    data = [(x, torch.cat([y, y], 1)) for x, y in batches(2)]
+    want = reference(twin(model), names, data)
+    got = record_run(tmp_path / "run", model, names, data, run_model=torch.compile(model, backend="aot_eager"))
+    assert_same_records(got, want)
+
+
 @pytest.mark.parametrize("backend", ["eager", "aot_eager"])
 def test_first_compiled_step_not_sampled(tmp_path, backend):
     """The model compiles first on a step the recorder does not sample (its hooks are off):
