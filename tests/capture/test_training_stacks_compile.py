@@ -129,6 +129,15 @@ def test_first_compiled_step_not_sampled(tmp_path, backend):
     assert_same_records(got, want)
 
 
+def test_hooks_registered_after_the_first_compiled_call(tmp_path):
+    model, data = _model(), batches(3)
+    want = reference(twin(model), NAMES, data)
+    compiled = torch.compile(model, backend="aot_eager")
+    compiled(data[0][0]).sum().backward()  # compiled (and cached) without hooks
+    model.zero_grad()
+    assert_same_records(record_run(tmp_path / "run", model, NAMES, data, run_model=compiled), want)
+
+
 def test_paused_evaluation_before_training(tmp_path):
     """A pass under rec.paused() (grad mode on, as a loss computed for logging) compiles the
     model first; training then records."""

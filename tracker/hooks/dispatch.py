@@ -241,21 +241,20 @@ class ModuleHooks:
 
 def guard_module_hooks() -> None:
     """Make torch.compile guard on module hooks (``torch._dynamo.config.skip_nnmodule_hook_guards
-    = False``), once hookline puts a hook on a module.
+    = False``); done when this module is imported.
 
     torch's default skips those guards: a graph compiled while a module carried no hook (a step
-    the recorder does not sample, a ``paused()`` evaluation before training, hooks deactivated)
-    would keep running after the hooks came back, and record nothing. With the guards, a
-    module's hook set selects its graph; :class:`_TorchHook` keeps hook ids and functions
-    stable, so each hook set compiles once (docs/capture.md, Training stacks).
+    the recorder does not sample, a ``paused()`` evaluation before training, a first call before
+    the hooks were registered) would keep running after the hooks came, and record nothing.
+    With the guards, a module's hook set selects its graph; :class:`_TorchHook` keeps hook ids
+    and functions stable, so each hook set compiles once (docs/capture.md, Training stacks).
+    Graphs compiled before this ran keep torch's unguarded entries (``torch._dynamo.reset()``
+    drops them).
     """
-    global _guarding
-    if not _guarding:
-        _guarding = True
-        torch._dynamo.config.skip_nnmodule_hook_guards = False
+    torch._dynamo.config.skip_nnmodule_hook_guards = False
 
 
-_guarding = False
+guard_module_hooks()
 
 
 class _TorchHook:
@@ -294,7 +293,6 @@ class _TorchHook:
             return
         self.attached = on
         if self.handle is None:  # (a first registration: torch's own API)
-            guard_module_hooks()
             if self.kind == "pre":
                 self.handle = self.module.register_forward_pre_hook(self.fn, with_kwargs=True)
             else:
