@@ -176,7 +176,10 @@ def _print_run(run: str, infos: list[dict], status: str | None = None, meta: dic
     for key in ("mlflow_run_id", "torch_version", "every", "steps"):
         if meta.get(key) is not None:
             bits.append(f"{key} {meta[key]}")
-    extra = {k: v for k, v in meta.items() if k not in ("mlflow_run_id", "torch_version", "every", "steps")}
+    if meta.get("found_inf_steps"):  # Recorder(grad_scaler=...): steps the optimizer skipped
+        bits.append(f"grad scaler found inf/NaN at steps {meta['found_inf_steps']}")
+    extra = {k: v for k, v in meta.items()
+             if k not in ("mlflow_run_id", "torch_version", "every", "steps", "found_inf_steps")}
     if extra:
         bits.append("meta " + ", ".join(f"{k}={v}" for k, v in list(extra.items())[:6]))
     if bits:
