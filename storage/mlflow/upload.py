@@ -38,7 +38,8 @@ from ..errors import DuplicateNameError, FormatError, HookTypeError, InvalidArgu
 from ..confine import RunRoot
 from ..errors import TrackingUnreachableError, UnknownNameError
 from ..format import run_identity
-from .client import check_reachable, connect, get_run, short_error, tracking_uri_of
+from .client import REACH_TIMEOUT_S, CallBudget, budget_seconds, check_reachable, connect, get_run, short_error, \
+    tracking_uri_of
 from .keys import (
     ARTIFACT_ROOT,
     FORMAT_VERSION_TAG,
@@ -114,14 +115,17 @@ class Uploader:
         tracking_uri: tracking server/store, connected on first use.
         existing_store: the store must exist already (see :func:`~.client.connect`).
         max_workers: parallel artifact uploads.
+        mlflow_timeout: the time budget of each MLflow call (:func:`~.client.budget_seconds`:
+            default ``$HOOKLINE_MLFLOW_TIMEOUT``, else 60 s).
 
     Raises:
         HookTypeError: ``run_id`` is not a str.
-        InvalidArgumentError: for a malformed run id, a negative rank or ``max_workers < 1``.
+        InvalidArgumentError: for a malformed run id, a negative rank, ``max_workers < 1`` or a
+            budget that is not a positive number.
     """
 
     def __init__(self, run_id: str, *, rank: int | None = None, tracking_uri: str | None = None,
-                 existing_store: bool = False, max_workers: int = 4) -> None:
+                 existing_store: bool = False, max_workers: int = 4, mlflow_timeout: float | None = None) -> None:
         if not isinstance(run_id, str):
             raise HookTypeError(
                 f"MLflow run id must be a str (the 32-hex id of an existing run), got "
@@ -141,25 +145,61 @@ class Uploader:
         self.rank = rank
         self.tracking_uri = tracking_uri
         self.max_workers = int(max_workers)
+        self.budget_s = budget_seconds(mlflow_timeout)
         self._existing_store = existing_store
         self._client: Any = None
         self._client_lock = threading.Lock()
         self._pass_lock = threading.Lock()
         self._hashes: dict[Path, tuple[tuple[int, int], str]] = {}  # file digests, by (size, mtime)
+        self._probed = 0.0  # when the server last answered the reachability probe (monotonic)
+        self._run_now: Any = None  # the MLflow run as fetched by check_run(), for the next pass
+        self._down: tuple[float, TrackingUnreachableError] | None = None  # the server's last failure
 
     @property
     def client(self) -> Any:
         """The :class:`mlflow.MlflowClient` (connected on first use)."""
         with self._client_lock:
             if self._client is None:
-                self._client = connect(self.tracking_uri, existing=self._existing_store)
+                self._client = connect(self.tracking_uri, existing=self._existing_store, timeout=self.budget_s)
+                self._probed = time.monotonic()
             return self._client
+
+    def budget(self) -> CallBudget:
+        """A :class:`~.client.CallBudget` for this uploader's calls (connects on first use)."""
+        return CallBudget(tracking_uri_of(self.client), self.budget_s)
+
+    def check_run(self) -> Any:
+        """Fetch the MLflow run now (clear errors for an unknown or deleted run before anything is
+        read); the next pass uses it instead of fetching it again.
+
+        Raises:
+            UnknownNameError: the run does not exist or is deleted.
+            TrackingError: the server failed (:class:`TrackingUnreachableError`: no proper answer).
+        """
+        self._run_now = get_run(self.client, self.run_id, self.budget())
+        return self._run_now
+
+    def reach(self) -> None:
+        """Check that the server answers (:func:`~.client.check_reachable`) unless it answered the
+        probe within the last second; a server that failed less than 10 s ago fails at once with
+        the same error (the passes of one ``close()`` do not each wait for a failing server)."""
+        if self._down is not None and time.monotonic() - self._down[0] < REACH_TIMEOUT_S:
+            raise self._down[1]
+        if time.monotonic() - self._probed > 1.0:
+            check_reachable(tracking_uri_of(self.client), budget=self.budget_s)
+            self._probed = time.monotonic()
+
+    def fetch_run(self, budget: CallBudget) -> Any:
+        """The MLflow run: the one :meth:`check_run` fetched just before, else fetched now."""
+        run, self._run_now = self._run_now, None
+        return run if run is not None else get_run(self.client, self.run_id, budget)
 
     def run(self, run_dir: Path, mode: PassMode) -> SyncReport:
         """One pass over ``run_dir`` (after a pass already running finished).
 
-        Failures of single requests and uploads, an unreachable server included, are collected in
-        the returned report (and logged as a warning); the next pass retries what is missing.
+        Failures of single requests and uploads, an unreachable or failing server included, are
+        collected in the returned report (and logged as a warning); the next pass retries what is
+        missing. Every MLflow call of the pass is bounded by the time budget.
 
         Raises:
             UnknownNameError: the run or the run directory does not exist (or the run is deleted).
@@ -171,11 +211,14 @@ class Uploader:
             report = SyncReport(self.run_id)
             try:
                 _Pass(self, run_dir, mode, report, self._hashes).execute()
+                self._down = None
             except (UnknownNameError, FormatError, DuplicateNameError):
                 raise
             except Exception as e:  # noqa: BLE001 - collected into the report
                 report.errors.append(short_error(e) if isinstance(e, TrackingError) else f"{run_dir}: {short_error(e)}")
                 report.unreachable = report.unreachable or isinstance(e, TrackingUnreachableError)
+                if isinstance(e, TrackingUnreachableError):
+                    self._down = (time.monotonic(), e)
             report.seconds = time.perf_counter() - t0
             if report.errors:
                 log.warning("hookline: MLflow sync of %s to run %s: %s", run_dir, self.run_id, "; ".join(report.errors))
@@ -201,17 +244,19 @@ class _Pass:
         #: handles (id, rank) whose file is refused: outside the run, or damaged (no upload, no tags)
         self.refused: set[tuple[str, int | None]] = set()
         self._run: Any = None  # the run directory opened with the storage reader, on first need
+        self.budget: CallBudget | None = None
 
     def execute(self) -> None:
         """Run the steps (module docstring) in order."""
         self.manifests = load_manifests(self.run_dir, self.rank)
         self.client = self.up.client
-        check_reachable(tracking_uri_of(self.client))  # fail in seconds, not after MLflow's minutes of retries
-        self.tags_now = dict(get_run(self.client, self.run_id).data.tags)
+        self.up.reach()  # fail in seconds, not after MLflow's minutes of retries
+        self.budget = self.up.budget()
+        self.tags_now = dict(self.up.fetch_run(self.budget).data.tags)
         origin = _check_origin(self.run_id, self.run_dir, self.manifests, self.tags_now)
         self.plans = self._plan_handles()
         uploads = self._files_to_upload()
-        running = _ParallelUploads(self.client, self.run_id, uploads, self.up.max_workers)
+        running = _ParallelUploads(self.client, self.run_id, uploads, self.up.max_workers, self.budget)
         try:
             tags, type_tags = self._log_norms()
         finally:
@@ -220,9 +265,11 @@ class _Pass:
             results = running.wait()
         tags.update(self._note_uploads(uploads, results))
         tags.update(self._run_tags(origin, type_tags))
-        self._send_tags(tags)
+        if running.down is not None:
+            raise running.down  # the server stopped answering: the tags would not get through either
         if self.mode != PassMode.METRICS and not self.report.errors and not self.report.pending:
-            self._upload_manifests()  # last: after the files they describe
+            tags.update(self._upload_manifests())  # last: after the files they describe
+        self._send_tags(tags)  # (one request: the handles' and the manifests' tags)
 
     # -- step 1: handles and files ---------------------------------------------------------------
 
@@ -325,7 +372,10 @@ class _Pass:
                 type_tags.add(t)
         if metrics:
             try:
-                self.client.log_batch(self.run_id, metrics=metrics, synchronous=True)
+                self.budget.call(f"logging {len(metrics)} metric points", self.client.log_batch, self.run_id,
+                                 metrics=metrics, synchronous=True)
+            except TrackingUnreachableError:
+                raise
             except Exception as e:  # noqa: BLE001
                 raise TrackingError(f"logging {len(metrics)} metric points failed: {short_error(e)}") from e
             self.report.metrics += len(metrics)
@@ -407,15 +457,19 @@ class _Pass:
         from mlflow.entities import RunTag
 
         try:
-            self.client.log_batch(self.run_id, tags=[RunTag(k, v) for k, v in changed.items()], synchronous=True)
+            self.budget.call(f"logging {len(changed)} tags", self.client.log_batch, self.run_id,
+                             tags=[RunTag(k, v) for k, v in changed.items()], synchronous=True)
+        except TrackingUnreachableError:
+            raise
         except Exception as e:  # noqa: BLE001
             raise TrackingError(f"logging {len(changed)} tags failed: {short_error(e)}") from e
         self.report.tags += len(changed)
 
     # -- step 4: manifests -----------------------------------------------------------------------
 
-    def _upload_manifests(self) -> None:
-        synced = {}
+    def _upload_manifests(self) -> dict[str, str]:
+        """Upload the manifests that changed; their ``synced`` tags (sent with the others)."""
+        synced: dict[str, str] = {}
         for mpath, _man in self.manifests:
             digest = file_digest(mpath, self.hashes)
             mkey = manifest_synced_tag(mpath.name)
@@ -424,13 +478,16 @@ class _Pass:
                 self.report.skipped.append(apath)
                 continue
             try:
-                self.client.log_artifact(self.run_id, str(mpath), ARTIFACT_ROOT)
+                self.budget.call(f"the upload of {apath!r}", self.client.log_artifact, self.run_id, str(mpath),
+                                 ARTIFACT_ROOT, size=mpath.stat().st_size)
+            except TrackingUnreachableError:
+                raise
             except Exception as e:  # noqa: BLE001
                 self.report.errors.append(f"upload of {apath!r} failed: {short_error(e)}")
                 continue
             self.report.uploaded.append(apath)
             synced[mkey] = digest
-        self._send_tags(synced)
+        return synced
 
 
 class _ParallelUploads:
@@ -438,18 +495,26 @@ class _ParallelUploads:
 
     Plain daemon threads, not a ``concurrent.futures`` executor: an adapter left open makes its
     final pass at interpreter exit, when executors refuse new work; and daemon, so that an upload
-    stuck past the exit time limit does not keep the process alive.
+    stuck past the exit time limit does not keep the process alive. Each upload is bounded by the
+    time budget; once one ran out of it, the others are not tried (:attr:`down`).
 
     Args:
         client: the :class:`mlflow.MlflowClient`.
         run_id: the MLflow run.
         uploads: the files to upload.
         max_workers: most threads.
+        budget: the time budget of each upload.
+
+    Attributes:
+        down: the error of the first upload that ran out of its budget (None: none did).
     """
 
-    def __init__(self, client: Any, run_id: str, uploads: list[_FileUpload], max_workers: int) -> None:
+    def __init__(self, client: Any, run_id: str, uploads: list[_FileUpload], max_workers: int,
+                 budget: CallBudget) -> None:
         self._client = client
         self._run_id = run_id
+        self._budget = budget
+        self.down: TrackingUnreachableError | None = None
         self._uploads = uploads
         self._errors: list[str | None] = [None] * len(uploads)
         self._next = 0
@@ -471,8 +536,15 @@ class _ParallelUploads:
                     return
                 self._next += 1
             up = self._uploads[i]
+            if self.down is not None:
+                self._errors[i] = "not tried: the tracking server stopped answering"
+                continue
             try:
-                self._client.log_artifact(self._run_id, str(up.local), up.artifact.rsplit("/", 1)[0])
+                self._budget.call(f"the upload of {up.artifact!r}", self._client.log_artifact, self._run_id,
+                                  str(up.local), up.artifact.rsplit("/", 1)[0], size=up.local.stat().st_size)
+            except TrackingUnreachableError as e:
+                self.down = self.down or e
+                self._errors[i] = short_error(e)
             except Exception as e:  # noqa: BLE001 - reported per file
                 self._errors[i] = short_error(e)
 
