@@ -96,7 +96,7 @@ class CallBudget:
             TrackingUnreachableError: the call did not finish in time.
             Exception: whatever ``fn`` raised.
         """
-        limit = self.seconds + max(0, int(size)) / BYTES_PER_S
+        limit = self.limit(size)
         box: dict[str, Any] = {}
         done = threading.Event()
 
@@ -114,15 +114,22 @@ class CallBudget:
         except RuntimeError:  # interpreter exit (Python 3.12 starts no thread then): unbounded
             return fn(*args, **kwargs)
         if not done.wait(limit):
-            msg = (f"the MLflow tracking server at {self.uri!r} did not finish {what} within {limit:g} s "
-                   "(hookline's time budget for one MLflow call: mlflow_timeout=... / $HOOKLINE_MLFLOW_TIMEOUT, "
-                   f"default {BUDGET_S:g} s; MLflow keeps retrying a server that answers errors, and waits for one "
-                   "that does not answer): check the server; recorded files stay on disk, `hookline sync` uploads "
-                   "them later")
-            raise TrackingUnreachableError(msg)
+            raise self.overrun(what, limit)
         if "error" in box:
             raise box["error"]
         return box.get("value")
+
+    def limit(self, size: int = 0) -> float:
+        """Seconds a call transferring ``size`` bytes may take."""
+        return self.seconds + max(0, int(size)) / BYTES_PER_S
+
+    def overrun(self, what: str, limit: float) -> TrackingUnreachableError:
+        """The error for ``what`` not finished within ``limit`` seconds (not raised)."""
+        return TrackingUnreachableError(
+            f"the MLflow tracking server at {self.uri!r} did not finish {what} within {limit:g} s (hookline's time "
+            "budget for one MLflow call: mlflow_timeout=... / $HOOKLINE_MLFLOW_TIMEOUT, default "
+            f"{BUDGET_S:g} s; MLflow keeps retrying a server that answers errors, and waits for one that does not "
+            "answer): check the server; recorded files stay on disk, `hookline sync` uploads them later")
 
 
 def resolve_tracking_uri(tracking_uri: str | None) -> str:
@@ -180,7 +187,6 @@ def connect(tracking_uri: str | None, *, existing: bool = False, timeout: float 
         TrackingUnreachableError: the server does not answer properly (see :func:`check_reachable`).
     """
     try:
-        import mlflow  # noqa: F401 - (its import error, worded)
         from mlflow import MlflowClient
     except ImportError as e:  # pragma: no cover - mlflow is a dependency
         raise TrackingError(

@@ -22,7 +22,9 @@ them again.
 
 from __future__ import annotations
 
+import collections
 import enum
+import functools
 import json
 import logging
 import re
@@ -37,7 +39,6 @@ import numpy as np
 from ..errors import DuplicateNameError, FormatError, HookTypeError, InvalidArgumentError, TrackingError
 from ..confine import RunRoot
 from ..errors import TrackingUnreachableError, UnknownNameError
-from ..format import run_identity
 from .client import REACH_TIMEOUT_S, CallBudget, budget_seconds, check_reachable, connect, get_run, short_error, \
     tracking_uri_of
 from .keys import (
@@ -49,11 +50,11 @@ from .keys import (
     manifest_synced_tag,
     metric_key,
     module_type_tag,
-    origin_tag,
     tag_key,
 )
 from .report import SyncReport
-from .rundir import NormSeries, created_ms, file_damage, file_digest, load_manifests, norm_fields, read_series
+from .rundir import NormSeries, check_origin, created_ms, file_damage, file_digest, load_manifests, norm_fields, \
+    read_series
 
 __all__ = ["PassMode", "Uploader"]
 
@@ -245,6 +246,8 @@ class _Pass:
         self.refused: set[tuple[str, int | None]] = set()
         self._run: Any = None  # the run directory opened with the storage reader, on first need
         self.budget: CallBudget | None = None
+        #: norm series read while a file was checked (opened once): (handle id, rank) -> (records, series)
+        self.series: dict[tuple[str, int | None], tuple[int, list[NormSeries]]] = {}
 
     def execute(self) -> None:
         """Run the steps (module docstring) in order."""
@@ -253,10 +256,10 @@ class _Pass:
         self.up.reach()  # fail in seconds, not after MLflow's minutes of retries
         self.budget = self.up.budget()
         self.tags_now = dict(self.up.fetch_run(self.budget).data.tags)
-        origin = _check_origin(self.run_id, self.run_dir, self.manifests, self.tags_now)
+        origin = check_origin(self.run_id, self.run_dir, self.manifests, self.tags_now)
         self.plans = self._plan_handles()
-        uploads = self._files_to_upload()
-        running = _ParallelUploads(self.client, self.run_id, uploads, self.up.max_workers, self.budget)
+        running = _ParallelUploads(self.client, self.run_id, self.up.max_workers, self.budget)
+        uploads = self._files_to_upload(running)  # (each starts as soon as its file is checked)
         try:
             tags, type_tags = self._log_norms()
         finally:
@@ -280,9 +283,10 @@ class _Pass:
             plans.extend(_HandlePlan(man, rank, hid, entry) for hid, entry in sorted(man.get("handles", {}).items()))
         return plans
 
-    def _files_to_upload(self) -> list[_FileUpload]:
-        """The handle files whose digest differs from their ``synced`` tag; the others are
-        reported as skipped, pending (mid-run) or missing (final pass)."""
+    def _files_to_upload(self, running: _ParallelUploads) -> list[_FileUpload]:
+        """The handle files whose digest differs from their ``synced`` tag, handed to ``running``
+        as they are found sound; the others are reported as skipped, pending (mid-run) or missing
+        (final pass)."""
         uploads: list[_FileUpload] = []
         if self.mode == PassMode.METRICS:
             return uploads
@@ -312,9 +316,17 @@ class _Pass:
             if self.tags_now.get(skey) == digest:
                 self.report.skipped.append(apath)
                 continue
-            damage = file_damage(local, plan.handle_id, plan.entry, exact=self.mode == PassMode.FINAL)
+            got: dict[str, list[NormSeries]] = {}
+            done = self._records_logged(plan)
+            n_total = int(plan.entry.get("records", 0) or 0)
+            fields = norm_fields(plan.entry.get("fields", {}) or {})
+            want = (fields, done, got) if fields and n_total > done else None
+            damage = file_damage(local, plan.handle_id, plan.entry, exact=self.mode == PassMode.FINAL, norms=want)
+            if "series" in got:
+                self.series[(plan.handle_id, plan.rank)] = (n_total, got["series"])
             if damage is None:
                 uploads.append(_FileUpload(apath, local, digest, skey))
+                running.add(uploads[-1])
             else:
                 self._refuse(plan, f"handle {plan.handle_id!r}: file {str(local)!r} is damaged ({damage}); "
                                    "not uploaded (run `hookline verify --repair` on the run directory, then sync again)")
@@ -358,9 +370,9 @@ class _Pass:
             n_total = int(plan.entry.get("records", 0) or 0)
             fields = norm_fields(plan.entry.get("fields", {}) or {})
             if fields and n_total > done:  # the manifest is rewritten at every flush
-                run = self._open_run()
                 try:
-                    n_total, series = read_series(run, plan.handle_id, plan.manifest.get("rank"), fields, done)
+                    n_total, series = self.series.get((plan.handle_id, plan.rank)) or \
+                        read_series(self._open_run(), plan.handle_id, plan.manifest.get("rank"), fields, done)
                 except Exception as e:  # noqa: BLE001 - a broken file must not stop the others
                     self.report.errors.append(f"handle {plan.handle_id!r}: reading norms failed: {short_error(e)} "
                                               "(run `hookline verify` on the run directory)")
@@ -491,98 +503,92 @@ class _Pass:
 
 
 class _ParallelUploads:
-    """Artifact uploads running on up to ``max_workers`` threads while the pass goes on.
+    """Artifact uploads running on up to ``max_workers`` threads while the pass goes on; each
+    starts as soon as it is :meth:`add`-ed.
 
     Plain daemon threads, not a ``concurrent.futures`` executor: an adapter left open makes its
     final pass at interpreter exit, when executors refuse new work; and daemon, so that an upload
-    stuck past the exit time limit does not keep the process alive. Each upload is bounded by the
-    time budget; once one ran out of it, the others are not tried (:attr:`down`).
+    stuck past the exit time limit does not keep the process alive. :meth:`wait` waits at most
+    the time budget plus the transfer time of all the files (:meth:`~.client.CallBudget.limit`);
+    the uploads still running then are left behind and reported (:attr:`down`).
 
     Args:
         client: the :class:`mlflow.MlflowClient`.
         run_id: the MLflow run.
-        uploads: the files to upload.
         max_workers: most threads.
-        budget: the time budget of each upload.
+        budget: the time budget.
 
     Attributes:
-        down: the error of the first upload that ran out of its budget (None: none did).
+        down: the error when the uploads ran out of the budget (None: they did not).
     """
 
-    def __init__(self, client: Any, run_id: str, uploads: list[_FileUpload], max_workers: int,
-                 budget: CallBudget) -> None:
+    def __init__(self, client: Any, run_id: str, max_workers: int, budget: CallBudget) -> None:
         self._client = client
         self._run_id = run_id
         self._budget = budget
+        self._max = max_workers
         self.down: TrackingUnreachableError | None = None
-        self._uploads = uploads
-        self._errors: list[str | None] = [None] * len(uploads)
-        self._next = 0
-        self._lock = threading.Lock()
+        self._uploads: list[_FileUpload] = []
+        self._errors: list[str | None] = []
+        self._done: list[bool] = []
+        self._queue: collections.deque[int] = collections.deque()
+        self._cond = threading.Condition()
+        self._no_more = False
+        self._t0 = time.monotonic()
         self._threads: list[threading.Thread] = []
-        for _ in range(min(max_workers, len(uploads))):
+
+    def add(self, up: _FileUpload) -> None:
+        """Start uploading ``up`` (on a free thread)."""
+        with self._cond:
+            self._uploads.append(up)
+            self._errors.append(None)
+            self._done.append(False)
+            self._queue.append(len(self._uploads) - 1)
+            self._cond.notify()
+        if len(self._threads) < min(self._max, len(self._uploads)):
             t = threading.Thread(target=self._work, name="hookline-upload", daemon=True)
             try:
                 t.start()
             except RuntimeError:  # Python 3.12 starts no thread at interpreter exit: wait() uploads
-                break
+                return
             self._threads.append(t)
 
     def _work(self) -> None:
         while True:
-            with self._lock:
-                i = self._next
-                if i >= len(self._uploads):
-                    return
-                self._next += 1
+            with self._cond:
+                while not self._queue and not self._no_more:
+                    self._cond.wait()
+                if not self._queue or self.down is not None:
+                    return  # (all done, or given up: the rest is reported as not finished)
+                i = self._queue.popleft()
             up = self._uploads[i]
-            if self.down is not None:
-                self._errors[i] = "not tried: the tracking server stopped answering"
-                continue
             try:
-                self._budget.call(f"the upload of {up.artifact!r}", self._client.log_artifact, self._run_id,
-                                  str(up.local), up.artifact.rsplit("/", 1)[0], size=up.local.stat().st_size)
-            except TrackingUnreachableError as e:
-                self.down = self.down or e
-                self._errors[i] = short_error(e)
+                self._client.log_artifact(self._run_id, str(up.local), up.artifact.rsplit("/", 1)[0])
             except Exception as e:  # noqa: BLE001 - reported per file
                 self._errors[i] = short_error(e)
+            self._done[i] = True
 
     def wait(self) -> list[str | None]:
-        """Block until every upload finished; the error of each (None: uploaded), in order."""
+        """Block until every upload finished, or the budget ran out; the error of each (None:
+        uploaded), in the order they were added."""
+        with self._cond:
+            self._no_more = True
+            self._cond.notify_all()
         if not self._threads:
             self._work()  # no thread could start: upload here, one after the other
+        limit = self._budget.limit(sum(up.local.stat().st_size for up in self._uploads))
         for t in self._threads:
-            t.join()
-        return self._errors
+            t.join(max(0.0, self._t0 + limit - time.monotonic()))
+        errors = list(self._errors)
+        late = [up.artifact for up, done in zip(self._uploads, self._done) if not done]
+        if late:
+            self.down = self._budget.overrun(f"the upload of {', '.join(map(repr, late[:3]))}"
+                                             + (f" and {len(late) - 3} more" if len(late) > 3 else ""), limit)
+            errors = [e if done else "not finished in time" for e, done in zip(errors, self._done)]
+        return errors
 
 
-def _check_origin(run_id: str, run_dir: Path, manifests: list[tuple[Path, dict]],
-                 tags_now: dict[str, str]) -> dict[str, str]:
-    """The run's ``hookline.origin`` tags (each rank's run directory, by its manifest's ``run_uuid``).
-
-    Raises:
-        DuplicateNameError: the MLflow run already holds another run directory: its handle files
-            have the same artifact paths and its records the same metric keys, so this one would
-            replace the first one's files and lose its metric points.
-    """
-    tags = {}
-    for _, man in manifests:
-        key = origin_tag(man.get("rank"))
-        mine = run_identity(man)
-        if not mine:
-            continue  # identity unknown (a manifest rebuilt from old files): neither checked nor set
-        have = tags_now.get(key)
-        if have is not None and have != mine:
-            raise DuplicateNameError(
-                f"MLflow run {run_id!r} already holds the hookline data of another run directory "
-                f"({key} {have!r}; {str(run_dir)!r} is {mine!r}): one run directory per MLflow run; "
-                "record or sync this one into a new MLflow run (e.g. a child run of this one)"
-            )
-        tags[key] = mine
-    return tags
-
-
+@functools.lru_cache(maxsize=1)
 def _version() -> str:
     try:
         from importlib.metadata import version
