@@ -4,14 +4,14 @@ What a pass does (:meth:`Uploader.run`), each step a method of :class:`_Pass`:
 
 1. reads the run directory's manifest(s) (``manifest.json`` / ``manifest.rank<r>.json``) and
    checks that the MLflow run holds no other run directory;
-2. starts uploading every handle file whose size/SHA-256 differs from the ``.../synced`` tag of
-   the run, as artifact ``hookline/<file>`` (``<file>`` is the manifest's relative path, i.e.
-   ``<key>.h5`` or ``<key>.rank<r>.h5``), several at once on plain threads;
-3. meanwhile logs the per-record L2 norms of every field as metric series (step = training step)
-   for the records not yet logged, plus ``norm_max``/``norm_last`` summary metrics, with
-   ``log_batch``;
-4. logs the per-handle and run-level tags with ``log_batch``;
-5. uploads the manifest(s) last, as ``hookline/manifest.json`` / ``hookline/manifest.rank<r>.json``.
+2. uploads every sound handle file whose size/SHA-256 differs from its ``.../synced`` tag, as
+   artifact ``hookline/<file>`` (the manifest's relative path), several at once on plain threads;
+3. meanwhile logs the per-record L2 norms of every field not logged yet as metric series (step =
+   training step), plus ``norm_max``/``norm_last`` summary metrics, with ``log_batch``;
+4. uploads the manifest(s) once every file they name is there (``hookline/manifest.json``);
+5. logs the per-handle, run-level and manifest tags with one ``log_batch``.
+
+Every MLflow call is bounded by the time budget (:class:`~.client.CallBudget`).
 
 Idempotence: files are compared by size + SHA-256 against the ``synced`` tags and skipped when
 equal; metric points carry deterministic timestamps (manifest creation time + record index), so a
@@ -198,9 +198,8 @@ class Uploader:
     def run(self, run_dir: Path, mode: PassMode) -> SyncReport:
         """One pass over ``run_dir`` (after a pass already running finished).
 
-        Failures of single requests and uploads, an unreachable or failing server included, are
-        collected in the returned report (and logged as a warning); the next pass retries what is
-        missing. Every MLflow call of the pass is bounded by the time budget.
+        Failures of requests and uploads, a failing server included, are collected in the returned
+        report (and logged as a warning); the next pass retries what is missing.
 
         Raises:
             UnknownNameError: the run or the run directory does not exist (or the run is deleted).
@@ -534,6 +533,7 @@ class _ParallelUploads:
         self._queue: collections.deque[int] = collections.deque()
         self._cond = threading.Condition()
         self._no_more = False
+        self._first = threading.Event()  # the first upload finished (MLflow cached the run's repository)
         self._t0 = time.monotonic()
         self._threads: list[threading.Thread] = []
 
@@ -561,16 +561,18 @@ class _ParallelUploads:
                 if not self._queue or self.down is not None:
                     return  # (all done, or given up: the rest is reported as not finished)
                 i = self._queue.popleft()
+            if i:  # (MLflow looks the run up for the first upload: once, not once per thread)
+                self._first.wait()
             up = self._uploads[i]
             try:
                 self._client.log_artifact(self._run_id, str(up.local), up.artifact.rsplit("/", 1)[0])
             except Exception as e:  # noqa: BLE001 - reported per file
                 self._errors[i] = short_error(e)
             self._done[i] = True
+            self._first.set()
 
     def wait(self) -> list[str | None]:
-        """Block until every upload finished, or the budget ran out; the error of each (None:
-        uploaded), in the order they were added."""
+        """Wait for the uploads (at most the budget); each one's error (None: uploaded), in order."""
         with self._cond:
             self._no_more = True
             self._cond.notify_all()
