@@ -300,7 +300,10 @@ def get_run(client: Any, run_id: str, budget: CallBudget | None = None) -> Any:
                 "(`mlflow runs list`, the MLflow UI) or pass the right tracking URI "
                 "(tracking_uri=... / --tracking-uri / MLFLOW_TRACKING_URI)"
             ) from e
-        raise TrackingError(f"cannot reach MLflow run {run_id!r} at tracking URI {uri!r}: {short_error(e)}") from e
+        text = str(e)
+        down = "Failed to establish a new connection" in text or "Max retries exceeded" in text
+        raise (TrackingUnreachableError if down else TrackingError)(
+            f"cannot reach MLflow run {run_id!r} at tracking URI {uri!r}: {short_error(e)}") from e
     if getattr(run.info, "lifecycle_stage", "active") == "deleted":
         raise UnknownNameError(
             f"MLflow run {run_id!r} at tracking URI {tracking_uri_of(client)!r} is deleted: restore it "

@@ -60,6 +60,9 @@ __all__ = ["PassMode", "Uploader"]
 
 log = logging.getLogger("hookline.mlflow")
 
+#: Metric points plus tags in one ``log_batch`` request (MLflow's limits: 1,000 entities, 100 tags).
+_ONE_REQUEST, _ONE_REQUEST_TAGS = 1000, 100
+
 
 class PassMode(enum.IntEnum):
     """What a pass does; each mode does what the smaller ones do (pending passes merge to the largest)."""
@@ -152,7 +155,7 @@ class Uploader:
         self._client_lock = threading.Lock()
         self._pass_lock = threading.Lock()
         self._hashes: dict[Path, tuple[tuple[int, int], str]] = {}  # file digests, by (size, mtime)
-        self._probed = 0.0  # when the server last answered the reachability probe (monotonic)
+        self._probed = False  # connect() has just probed the server: the next pass need not
         self._run_now: Any = None  # the MLflow run as fetched by check_run(), for the next pass
         self._down: tuple[float, TrackingUnreachableError] | None = None  # the server's last failure
 
@@ -162,7 +165,7 @@ class Uploader:
         with self._client_lock:
             if self._client is None:
                 self._client = connect(self.tracking_uri, existing=self._existing_store, timeout=self.budget_s)
-                self._probed = time.monotonic()
+                self._probed = True
             return self._client
 
     def budget(self) -> CallBudget:
@@ -181,14 +184,14 @@ class Uploader:
         return self._run_now
 
     def reach(self) -> None:
-        """Check that the server answers (:func:`~.client.check_reachable`) unless it answered the
-        probe within the last second; a server that failed less than 10 s ago fails at once with
-        the same error (the passes of one ``close()`` do not each wait for a failing server)."""
+        """Check that the server answers (unless connecting just did); one that failed less than 10 s
+        ago fails at once, again (the passes of one ``close()`` do not each wait for it)."""
         if self._down is not None and time.monotonic() - self._down[0] < REACH_TIMEOUT_S:
             raise self._down[1]
-        if time.monotonic() - self._probed > 1.0:
-            check_reachable(tracking_uri_of(self.client), budget=self.budget_s)
-            self._probed = time.monotonic()
+        client = self.client
+        if not self._probed:
+            check_reachable(tracking_uri_of(client), budget=self.budget_s)
+        self._probed = False
 
     def fetch_run(self, budget: CallBudget) -> Any:
         """The MLflow run: the one :meth:`check_run` fetched just before, else fetched now."""
@@ -260,7 +263,7 @@ class _Pass:
         running = _ParallelUploads(self.client, self.run_id, self.up.max_workers, self.budget)
         uploads = self._files_to_upload(running)  # (each starts as soon as its file is checked)
         try:
-            tags, type_tags = self._log_norms()
+            tags, type_tags, later = self._log_norms()
         finally:
             if self._run is not None:
                 self._run.close()
@@ -271,7 +274,7 @@ class _Pass:
             raise running.down  # the server stopped answering: the tags would not get through either
         if self.mode != PassMode.METRICS and not self.report.errors and not self.report.pending:
             tags.update(self._upload_manifests())  # last: after the files they describe
-        self._send_tags(tags)  # (one request: the handles' and the manifests' tags)
+        self._send_tags(tags, later)  # (one request: the handles' and the manifests' tags)
 
     # -- step 1: handles and files ---------------------------------------------------------------
 
@@ -357,8 +360,10 @@ class _Pass:
 
     # -- step 2: norm metrics --------------------------------------------------------------------
 
-    def _log_norms(self) -> tuple[dict[str, str], set[str]]:
-        """Log the norm points not logged yet; return the handle tags and the module-type tags."""
+    def _log_norms(self) -> tuple[dict[str, str], set[str], list[Any]]:
+        """Log the norm points not logged yet; return the handle tags, the module-type tags and
+        the points left for the tags' request (a small pass sends both in one request, which
+        MLflow stores metrics first: the ``records`` watermark never runs ahead of its points)."""
         metrics: list[Any] = []
         tags: dict[str, str] = {}
         type_tags: set[str] = set()
@@ -381,16 +386,10 @@ class _Pass:
             t = module_type_tag(plan.entry.get("module_type"))
             if t:
                 type_tags.add(t)
-        if metrics:
-            try:
-                self.budget.call(f"logging {len(metrics)} metric points", self.client.log_batch, self.run_id,
-                                 metrics=metrics, synchronous=True)
-            except TrackingUnreachableError:
-                raise
-            except Exception as e:  # noqa: BLE001
-                raise TrackingError(f"logging {len(metrics)} metric points failed: {short_error(e)}") from e
-            self.report.metrics += len(metrics)
-        return tags, type_tags
+        if len(metrics) <= _ONE_REQUEST and len(self.plans) * 12 + 20 <= _ONE_REQUEST_TAGS:
+            return tags, type_tags, metrics
+        self._log_batch(metrics, {})  # (now: while the files upload)
+        return tags, type_tags, []
 
     def _open_run(self) -> Any:
         if self._run is None:
@@ -460,21 +459,32 @@ class _Pass:
             tags[t] = "true"
         return tags
 
-    def _send_tags(self, tags: dict[str, str]) -> None:
-        """Log the tags whose value the run does not have yet, in one request."""
+    def _send_tags(self, tags: dict[str, str], metrics: list[Any]) -> None:
+        """Log the tags whose value the run does not have yet and the ``metrics`` left for this
+        request: in one request when they fit in one, else the metrics first."""
         changed = {k: v for k, v in tags.items() if self.tags_now.get(k) != v}
-        if not changed:
+        if len(metrics) + len(changed) > _ONE_REQUEST or len(changed) > _ONE_REQUEST_TAGS:
+            self._log_batch(metrics, {})
+            metrics = []
+        self._log_batch(metrics, changed)
+
+    def _log_batch(self, metrics: list[Any], tags: dict[str, str]) -> None:
+        """One ``log_batch`` (MLflow splits it when it is larger than one request allows)."""
+        if not metrics and not tags:
             return
         from mlflow.entities import RunTag
 
+        what = " and ".join(x for x in (f"{len(metrics)} metric points" if metrics else "",
+                                        f"{len(tags)} tags" if tags else "") if x)
         try:
-            self.budget.call(f"logging {len(changed)} tags", self.client.log_batch, self.run_id,
-                             tags=[RunTag(k, v) for k, v in changed.items()], synchronous=True)
+            self.budget.call(f"logging {what}", self.client.log_batch, self.run_id, metrics=metrics,
+                             tags=[RunTag(k, v) for k, v in tags.items()], synchronous=True)
         except TrackingUnreachableError:
             raise
         except Exception as e:  # noqa: BLE001
-            raise TrackingError(f"logging {len(changed)} tags failed: {short_error(e)}") from e
-        self.report.tags += len(changed)
+            raise TrackingError(f"logging {what} failed: {short_error(e)}") from e
+        self.report.metrics += len(metrics)
+        self.report.tags += len(tags)
 
     # -- step 4: manifests -----------------------------------------------------------------------
 
@@ -502,23 +512,13 @@ class _Pass:
 
 
 class _ParallelUploads:
-    """Artifact uploads running on up to ``max_workers`` threads while the pass goes on; each
-    starts as soon as it is :meth:`add`-ed.
+    """Artifact uploads on up to ``max_workers`` threads, each started as soon as it is :meth:`add`-ed.
 
     Plain daemon threads, not a ``concurrent.futures`` executor: an adapter left open makes its
-    final pass at interpreter exit, when executors refuse new work; and daemon, so that an upload
+    final pass at interpreter exit, when executors refuse new work; daemon, so that an upload
     stuck past the exit time limit does not keep the process alive. :meth:`wait` waits at most
-    the time budget plus the transfer time of all the files (:meth:`~.client.CallBudget.limit`);
-    the uploads still running then are left behind and reported (:attr:`down`).
-
-    Args:
-        client: the :class:`mlflow.MlflowClient`.
-        run_id: the MLflow run.
-        max_workers: most threads.
-        budget: the time budget.
-
-    Attributes:
-        down: the error when the uploads ran out of the budget (None: they did not).
+    ``budget.limit(all the files' bytes)``; uploads still running then are reported (:attr:`down`:
+    the error, else None) and left behind. ``client``/``run_id``: where to upload.
     """
 
     def __init__(self, client: Any, run_id: str, max_workers: int, budget: CallBudget) -> None:
