@@ -68,6 +68,8 @@ class MlflowSource:
 
     def _repository(self) -> Any:
         """The run's artifact repository (None: go through the client, e.g. without an artifact URI)."""
+        if tracking_uri_of(self.client).startswith("databricks"):
+            return None  # (MLflow adds the workspace's credentials to such artifact URIs itself)
         if self._repo is None and self._artifact_uri:
             from mlflow.store.artifact.artifact_repository_registry import get_artifact_repository
 

@@ -22,7 +22,6 @@ them again.
 
 from __future__ import annotations
 
-import collections
 import enum
 import functools
 import json
@@ -38,6 +37,7 @@ import numpy as np
 
 from ..errors import DuplicateNameError, FormatError, HookTypeError, InvalidArgumentError, TrackingError
 from ..confine import RunRoot
+from ..format import check_manifest
 from ..errors import TrackingUnreachableError, UnknownNameError
 from .client import REACH_TIMEOUT_S, CallBudget, budget_seconds, check_reachable, connect, get_run, short_error, \
     tracking_uri_of
@@ -53,6 +53,7 @@ from .keys import (
     tag_key,
 )
 from .report import SyncReport
+from .transfer import FileUpload, ParallelUploads
 from .rundir import NormSeries, check_origin, created_ms, file_damage, file_digest, load_manifests, norm_fields, \
     read_series
 
@@ -90,23 +91,6 @@ class _HandlePlan:
     rank: int | None
     handle_id: str
     entry: dict
-
-
-@dataclass
-class _FileUpload:
-    """One handle file to upload.
-
-    Attributes:
-        artifact: its artifact path (``hookline/<file>``).
-        local: the local file.
-        digest: its ``<size>:<sha256>``.
-        synced_tag: the tag that records the digest once uploaded.
-    """
-
-    artifact: str
-    local: Path
-    digest: str
-    synced_tag: str
 
 
 class Uploader:
@@ -260,7 +244,7 @@ class _Pass:
         self.tags_now = dict(self.up.fetch_run(self.budget).data.tags)
         origin = check_origin(self.run_id, self.run_dir, self.manifests, self.tags_now)
         self.plans = self._plan_handles()
-        running = _ParallelUploads(self.client, self.run_id, self.up.max_workers, self.budget)
+        running = ParallelUploads(self.client, self.run_id, self.up.max_workers, self.budget)
         uploads = self._files_to_upload(running)  # (each starts as soon as its file is checked)
         try:
             tags, type_tags, later = self._log_norms()
@@ -285,11 +269,11 @@ class _Pass:
             plans.extend(_HandlePlan(man, rank, hid, entry) for hid, entry in sorted(man.get("handles", {}).items()))
         return plans
 
-    def _files_to_upload(self, running: _ParallelUploads) -> list[_FileUpload]:
+    def _files_to_upload(self, running: ParallelUploads) -> list[FileUpload]:
         """The handle files whose digest differs from their ``synced`` tag, handed to ``running``
         as they are found sound; the others are reported as skipped, pending (mid-run) or missing
         (final pass)."""
-        uploads: list[_FileUpload] = []
+        uploads: list[FileUpload] = []
         if self.mode == PassMode.METRICS:
             return uploads
         root = RunRoot(self.run_dir)
@@ -322,12 +306,12 @@ class _Pass:
             done = self._records_logged(plan)
             n_total = int(plan.entry.get("records", 0) or 0)
             fields = norm_fields(plan.entry.get("fields", {}) or {})
-            want = (fields, done, got) if fields and n_total > done else None
+            want = (fields, done, got) if fields and n_total > done and self.readable else None
             damage = file_damage(local, plan.handle_id, plan.entry, exact=self.mode == PassMode.FINAL, norms=want)
             if "series" in got:
                 self.series[(plan.handle_id, plan.rank)] = (n_total, got["series"])
             if damage is None:
-                uploads.append(_FileUpload(apath, local, digest, skey))
+                uploads.append(FileUpload(apath, local, digest, skey))
                 running.add(uploads[-1])
             else:
                 self._refuse(plan, f"handle {plan.handle_id!r}: file {str(local)!r} is damaged ({damage}); "
@@ -339,7 +323,7 @@ class _Pass:
         self.report.errors.append(why)
         self.refused.add((plan.handle_id, plan.rank))
 
-    def _note_uploads(self, uploads: list[_FileUpload], errors: list[str | None]) -> dict[str, str]:
+    def _note_uploads(self, uploads: list[FileUpload], errors: list[str | None]) -> dict[str, str]:
         """Report the finished uploads; the ``synced`` tags of the files uploaded now and the
         ``artifact`` tags of every handle whose file is in the run."""
         tags = {}
@@ -390,6 +374,16 @@ class _Pass:
             return tags, type_tags, metrics
         self._log_batch(metrics, {})  # (now: while the files upload)
         return tags, type_tags, []
+
+    @functools.cached_property
+    def readable(self) -> bool:
+        """Whether the reader accepts the manifests (else norms are read through it, and fail)."""
+        try:
+            for mpath, man in self.manifests:
+                check_manifest(man, str(mpath))
+        except FormatError:
+            return False
+        return True
 
     def _open_run(self) -> Any:
         if self._run is None:
@@ -509,85 +503,6 @@ class _Pass:
             self.report.uploaded.append(apath)
             synced[mkey] = digest
         return synced
-
-
-class _ParallelUploads:
-    """Artifact uploads on up to ``max_workers`` threads, each started as soon as it is :meth:`add`-ed.
-
-    Plain daemon threads, not a ``concurrent.futures`` executor: an adapter left open makes its
-    final pass at interpreter exit, when executors refuse new work; daemon, so that an upload
-    stuck past the exit time limit does not keep the process alive. :meth:`wait` waits at most
-    ``budget.limit(all the files' bytes)``; uploads still running then are reported (:attr:`down`:
-    the error, else None) and left behind. ``client``/``run_id``: where to upload.
-    """
-
-    def __init__(self, client: Any, run_id: str, max_workers: int, budget: CallBudget) -> None:
-        self._client = client
-        self._run_id = run_id
-        self._budget = budget
-        self._max = max_workers
-        self.down: TrackingUnreachableError | None = None
-        self._uploads: list[_FileUpload] = []
-        self._errors: list[str | None] = []
-        self._done: list[bool] = []
-        self._queue: collections.deque[int] = collections.deque()
-        self._cond = threading.Condition()
-        self._no_more = False
-        self._first = threading.Event()  # the first upload finished (MLflow cached the run's repository)
-        self._t0 = time.monotonic()
-        self._threads: list[threading.Thread] = []
-
-    def add(self, up: _FileUpload) -> None:
-        """Start uploading ``up`` (on a free thread)."""
-        with self._cond:
-            self._uploads.append(up)
-            self._errors.append(None)
-            self._done.append(False)
-            self._queue.append(len(self._uploads) - 1)
-            self._cond.notify()
-        if len(self._threads) < min(self._max, len(self._uploads)):
-            t = threading.Thread(target=self._work, name="hookline-upload", daemon=True)
-            try:
-                t.start()
-            except RuntimeError:  # Python 3.12 starts no thread at interpreter exit: wait() uploads
-                return
-            self._threads.append(t)
-
-    def _work(self) -> None:
-        while True:
-            with self._cond:
-                while not self._queue and not self._no_more:
-                    self._cond.wait()
-                if not self._queue or self.down is not None:
-                    return  # (all done, or given up: the rest is reported as not finished)
-                i = self._queue.popleft()
-            if i:  # (MLflow looks the run up for the first upload: once, not once per thread)
-                self._first.wait()
-            up = self._uploads[i]
-            try:
-                self._client.log_artifact(self._run_id, str(up.local), up.artifact.rsplit("/", 1)[0])
-            except Exception as e:  # noqa: BLE001 - reported per file
-                self._errors[i] = short_error(e)
-            self._done[i] = True
-            self._first.set()
-
-    def wait(self) -> list[str | None]:
-        """Wait for the uploads (at most the budget); each one's error (None: uploaded), in order."""
-        with self._cond:
-            self._no_more = True
-            self._cond.notify_all()
-        if not self._threads:
-            self._work()  # no thread could start: upload here, one after the other
-        limit = self._budget.limit(sum(up.local.stat().st_size for up in self._uploads))
-        for t in self._threads:
-            t.join(max(0.0, self._t0 + limit - time.monotonic()))
-        errors = list(self._errors)
-        late = [up.artifact for up, done in zip(self._uploads, self._done) if not done]
-        if late:
-            self.down = self._budget.overrun(f"the upload of {', '.join(map(repr, late[:3]))}"
-                                             + (f" and {len(late) - 3} more" if len(late) > 3 else ""), limit)
-            errors = [e if done else "not finished in time" for e, done in zip(errors, self._done)]
-        return errors
 
 
 @functools.lru_cache(maxsize=1)
