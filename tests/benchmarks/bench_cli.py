@@ -153,6 +153,8 @@ def bench_close(uri: str, root: Path, rounds: int) -> None:
     client = MlflowClient(uri)
     exp = client.create_experiment("bench-close")
     with_ml, without, direct = [], [], []
+    log = root / "server.log"
+    reqs: dict[str, list[str]] = {}
     for r in range(rounds):
         order = ["mlflow", "local"]
         random.shuffle(order)
@@ -162,13 +164,21 @@ def bench_close(uri: str, root: Path, rounds: int) -> None:
                 rec = record(d, client.create_run(exp).info.run_id, uri)
             else:
                 rec = record(d, None, None)
+            n = len(log.read_text(errors="replace").splitlines())
             t0 = time.perf_counter()
             rec.close()
             (with_ml if kind == "mlflow" else without).append(time.perf_counter() - t0)
+            if kind == "mlflow" and r == 0:
+                time.sleep(0.3)
+                reqs["Recorder.close()"] = requests_of(log, n)
         rid = client.create_run(exp).info.run_id
+        n = len(log.read_text(errors="replace").splitlines())
         t0 = time.perf_counter()
         client.log_artifacts(rid, str(root / f"close-local-{r}"), "hookline")
         direct.append(time.perf_counter() - t0)
+        if r == 0:
+            time.sleep(0.3)
+            reqs["log_artifacts"] = requests_of(log, n)
     files = sum(1 for p in (root / "close-local-0").rglob("*") if p.is_file())
     size = sum(p.stat().st_size for p in (root / "close-local-0").rglob("*") if p.is_file())
     added = [w - o for w, o in zip(with_ml, without)]
@@ -181,6 +191,8 @@ def bench_close(uri: str, root: Path, rounds: int) -> None:
     print(f"  MlflowClient.log_artifacts      {med(direct) * 1000:7.1f} ms  (the same files, one call)")
     print(f"  added by MLflow / log_artifacts {ratio:7.2f}x  (target < 2x: {'met' if ratio < 2 else 'NOT met'})")
     print(f"  close() with MLflow / log_artifacts {raw:5.2f}x")
+    for name, got in reqs.items():
+        print(f"  requests of {name}: {len(got)}: {', '.join(x.split(' ')[0] + ' ' + x.split('/')[-1] for x in got)}")
 
 
 def main() -> None:
