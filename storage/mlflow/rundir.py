@@ -248,8 +248,9 @@ def part_series(part: Any, fields: list[tuple[str, str, bool]], start: int) -> l
 
 
 def check_origin(run_id: str, run_dir: Path, manifests: list[tuple[Path, dict]],
-                 tags_now: dict[str, str]) -> dict[str, str]:
-    """The run's ``hookline.origin`` tags (each rank's run directory, by its manifest's ``run_uuid``).
+                 tags_now: dict[str, str], params_now: dict[str, str]) -> dict[str, str]:
+    """The run's ``hookline.origin`` params (each rank's run directory, by its manifest's
+    ``run_uuid``; a param, since it never changes; runs synced before were tagged instead).
 
     Raises:
         DuplicateNameError: the MLflow run already holds another run directory: its handle files
@@ -262,7 +263,7 @@ def check_origin(run_id: str, run_dir: Path, manifests: list[tuple[Path, dict]],
         mine = run_identity(man)
         if not mine:
             continue  # identity unknown (a manifest rebuilt from old files): neither checked nor set
-        have = tags_now.get(key)
+        have = params_now.get(key, tags_now.get(key))
         if have is not None and have != mine:
             raise DuplicateNameError(
                 f"MLflow run {run_id!r} already holds the hookline data of another run directory "

@@ -23,13 +23,11 @@ class FileUpload:
         artifact: its artifact path (``hookline/<file>``).
         local: the local file.
         digest: its ``<size>:<sha256>``.
-        synced_tag: the tag that records the digest once uploaded.
     """
 
     artifact: str
     local: Path
     digest: str
-    synced_tag: str
 
 
 class ParallelUploads:
