@@ -2,21 +2,31 @@
 
 from __future__ import annotations
 
-from importlib.metadata import PackageNotFoundError, version
-
 import click
 
 from .errors import HooklineGroup
 from .options import CONTEXT_SETTINGS
 
-try:
-    __version__ = version("hookline")
-except PackageNotFoundError:  # running from a source tree that was never installed
-    __version__ = "0+unknown"
+
+def _version() -> str:
+    """hookline's installed version (read only for ``-V``: package metadata costs ~40 ms)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("hookline")
+    except PackageNotFoundError:  # running from a source tree that was never installed
+        return "0+unknown"
+
+
+def _print_version(ctx: click.Context, _param: click.Parameter, value: bool) -> None:
+    if value and not ctx.resilient_parsing:
+        click.echo(f"hookline, version {_version()}")
+        ctx.exit()
 
 
 @click.group(cls=HooklineGroup, context_settings=CONTEXT_SETTINGS)
-@click.version_option(__version__, "-V", "--version", prog_name="hookline")
+@click.option("-V", "--version", is_flag=True, expose_value=False, is_eager=True, callback=_print_version,
+              help="Show the version and exit.")
 def cli() -> None:
     """Record, inspect and compare what happens inside PyTorch models.
 

@@ -102,12 +102,12 @@ def runs(experiment: str | None, filter_string: str | None, max_results: int, tr
       hookline runs --tracking-uri http://127.0.0.1:5000
     """
     quiet_mlflow_logs()
-    from hookline.storage.mlflow.client import connect
+    from hookline.storage.mlflow.client import CallBudget, connect
 
     client = connect(tracking_uri, existing=True)
     uri = client.tracking_uri
     filt = BASE_FILTER + (f" AND {filter_string}" if filter_string else "")
-    found, experiments = _search(client, experiment, filter_string, filt, max_results)
+    found, experiments = _search(client, CallBudget(uri), experiment, filter_string, filt, max_results)
     infos = [run_info(r, experiments) for r in found]
     if as_json:
         echo_json(clean_json({"tracking_uri": uri, "filter": filt, "runs": infos}))
@@ -115,28 +115,29 @@ def runs(experiment: str | None, filter_string: str | None, max_results: int, tr
     _print_runs(infos, experiment, uri, filt)
 
 
-def _search(client: Any, experiment: str | None, filter_string: str | None, filt: str,
+def _search(client: Any, budget: Any, experiment: str | None, filter_string: str | None, filt: str,
             max_results: int) -> tuple[list[Any], dict[str, str]]:
-    """The runs that match ``filt`` (newest first) and the experiments searched (id -> name)."""
+    """The runs that match ``filt`` (newest first) and the experiments searched (id -> name); each
+    MLflow call bounded by ``budget`` (a :class:`~hookline.storage.mlflow.client.CallBudget`)."""
     from hookline.storage.errors import TrackingError, UnknownNameError
 
     uri = client.tracking_uri
     try:
         if experiment is not None:
-            exp = client.get_experiment_by_name(experiment)
+            exp = budget.call("get_experiment_by_name", client.get_experiment_by_name, experiment)
             if exp is None:
-                names = [e.name for e in client.search_experiments()]
+                names = [e.name for e in budget.call("search_experiments", client.search_experiments)]
                 raise UnknownNameError(
                     f"MLflow experiment {experiment!r} not found at {uri}; "
                     f"experiments: {', '.join(names[:10]) or '(none)'}"
                 )
             exps = [exp]
         else:
-            exps = list(client.search_experiments())
+            exps = list(budget.call("search_experiments", client.search_experiments))
         experiments = {e.experiment_id: e.name for e in exps}
-        found = client.search_runs(list(experiments), filter_string=filt, max_results=max_results,
-                                   order_by=["attributes.start_time DESC"]) if experiments else []
-    except UnknownNameError:
+        found = budget.call("search_runs", client.search_runs, list(experiments), filter_string=filt,
+                            max_results=max_results, order_by=["attributes.start_time DESC"]) if experiments else []
+    except (UnknownNameError, TrackingError):
         raise
     except Exception as e:  # noqa: BLE001 - MLflow's own errors: bad filter, server down
         msg = " ".join(str(e).split())

@@ -69,6 +69,35 @@ def handle_info(run: Run, hid: str) -> dict[str, Any]:
     }
 
 
+def listed_info(run: Run, hid: str) -> dict[str, Any]:
+    """What ``show`` lists of one handle of a remote (MLflow) run, from its manifest(s) alone: no
+    handle file is downloaded. Per-field record counts and the number of distinct steps are in
+    the files only (``None`` here); byte sizes come from the artifact listing."""
+    entries = [(m, m["handles"][hid]) for m in run.manifests if hid in m.get("handles", {})]
+    h = run[hid]
+    records = sum(int(e.get("records") or 0) for _, e in entries)
+    spans = [e["steps"] for _, e in entries if isinstance(e.get("steps"), list) and len(e["steps"]) == 2]
+    fields: dict[str, dict] = {}
+    for _, e in entries:
+        for name, f in (e.get("fields") or {}).items():
+            fields.setdefault(name, f if isinstance(f, dict) else {})
+    ranks = sorted({int(m["rank"]) for m, e in entries if m.get("rank") is not None and e.get("records")}) or None
+    return {
+        "handle": hid,
+        "module_name": h.module_name,
+        "module_type": h.module_type,
+        "category": h.category,
+        "records": records,
+        "steps": [min(a for a, _ in spans), max(b for _, b in spans)] if spans and records else None,
+        "n_steps": None,
+        "ranks": ranks,
+        "bytes": h.file_bytes,
+        "fields": [{"name": name, "dtype": f.get("dtype"), "shape": f.get("shape"), "ragged": f.get("shape") is None,
+                    "records": None} for name, f in fields.items()],
+        "warning": None,
+    }
+
+
 def field_stats(fld: Field, advance: Callable[[int], None] = lambda n=1: None) -> dict[str, Any]:
     """Streamed statistics over all records: element min/max/mean and per-record L2 norms."""
     from hookline.storage.blocks import iter_records
@@ -137,9 +166,13 @@ def show(run: str, handle: str | None, as_json: bool, quiet: bool, tracking_uri:
       hookline show runs/baseline 'grads[fc1]'
       hookline show runs:/0a1b2c... --json
     """
+    from hookline.storage.reader import LocalSource
+
     r = open_run_arg(run, tracking_uri)
     if handle is None:
-        infos = [handle_info(r, h) for h in r.handles]
+        # (a remote run's handles are listed from its manifests: no handle file is downloaded)
+        describe = handle_info if isinstance(r.source, LocalSource) else listed_info
+        infos = [describe(r, h) for h in r.handles]
         for i in infos:
             if i["warning"]:
                 click.echo(f"warning: {safe_text(i['warning'])}", err=True)
@@ -203,7 +236,7 @@ def _print_run(run: str, infos: list[dict], status: str | None = None, meta: dic
                 plain(f["name"]),
                 plain(f["dtype"]),
                 _shape_text(f) if f["name"] != "-" else "-",
-                str(f["records"]),
+                "-" if f["records"] is None else str(f["records"]),
                 _steps_text(i) if first else "",
                 human_bytes(i["bytes"]) if first else "",
             )
@@ -214,7 +247,7 @@ def _steps_text(i: dict) -> str:
     if not i["steps"]:
         return "-"
     a, b = i["steps"]
-    text = str(a) if a == b else f"{a}..{b} ({i['n_steps']})"
+    text = str(a) if a == b else f"{a}..{b}" + (f" ({i['n_steps']})" if i["n_steps"] is not None else "")
     if i.get("ranks"):
         text += f", ranks {','.join(map(str, i['ranks']))}"
     return text

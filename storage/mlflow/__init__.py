@@ -7,6 +7,7 @@ One module per job:
 * :mod:`.rundir`: what a local run directory holds for an upload (manifests, digests, norms);
 * :mod:`.report`: :class:`~.report.SyncReport`, what passes did;
 * :mod:`.upload`: one sync pass of a run directory into a run, step by step;
+* :mod:`.transfer`: the pass's file uploads, on a few threads, within the time budget;
 * :mod:`.adapter`: :class:`~.adapter.MlflowAdapter`, passes on a background thread;
 * :mod:`.shutdown`: closing adapters (and recorders) at interpreter exit;
 * :mod:`.sync`: :func:`~.sync.sync`, one final pass (``hookline sync``);

@@ -235,6 +235,9 @@ class MlflowAdapter:
                 if not self._pending and self._closed:
                     return None
             run_dir, mode = next(iter(self._pending.items()))
+            if mode != PassMode.FINAL:  # (a submit() right before close(), as Recorder.close() does:
+                self._cond.wait(0.05)  # let the final pass replace this one instead of following it)
+                run_dir, mode = next(iter(self._pending.items()))
             del self._pending[run_dir]
             self._busy = True
             return run_dir, mode

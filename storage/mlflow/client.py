@@ -8,41 +8,184 @@ which is per-thread/per-process global state. ``mlflow`` is imported inside :fun
 from __future__ import annotations
 
 import os
+import threading
+import urllib.parse
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from ..errors import HookTypeError, InvalidArgumentError, TrackingError, TrackingUnreachableError, UnknownNameError
 
-__all__ = ["REACH_TIMEOUT_S", "connect", "check_reachable", "tracking_uri_of", "get_run", "short_error", "active_run"]
+__all__ = ["REACH_TIMEOUT_S", "BUDGET_S", "BYTES_PER_S", "CallBudget", "budget_seconds", "connect",
+           "check_reachable", "resolve_tracking_uri", "tracking_uri_of", "get_run", "short_error", "active_run"]
 
-#: Seconds a tracking server gets to answer hookline's reachability check before a pass or a
-#: command gives up (``$HOOKLINE_MLFLOW_TIMEOUT``). MLflow itself retries a refused connection for
-#: about four minutes per request, so without the check a dead server blocks ``close()``.
+#: Seconds hookline's own MLflow calls may take by default (``mlflow_timeout=...``,
+#: ``$HOOKLINE_MLFLOW_TIMEOUT``): a call still running after that (MLflow retrying HTTP 500s for
+#: minutes, a server that accepts the request and never answers) ends its operation with a
+#: :class:`TrackingUnreachableError`. File transfers get one more second per :data:`BYTES_PER_S`.
+BUDGET_S = 60.0
+
+#: Bytes per second a file transfer is granted on top of :data:`BUDGET_S` (1 MiB/s).
+BYTES_PER_S = 1 << 20
+
+#: Seconds the reachability probe waits at most (less when the budget is smaller).
 REACH_TIMEOUT_S = 10.0
 
+def budget_seconds(value: float | None = None) -> float:
+    """The time budget of hookline's MLflow calls: ``value`` when given, else
+    ``$HOOKLINE_MLFLOW_TIMEOUT``, else :data:`BUDGET_S` (60).
 
-def connect(tracking_uri: str | None, *, existing: bool = False) -> Any:
+    Raises:
+        InvalidArgumentError: the value is not a positive, finite number of seconds.
+    """
+    if value is None:
+        raw: object = os.environ.get("HOOKLINE_MLFLOW_TIMEOUT") or str(BUDGET_S)
+        where = "HOOKLINE_MLFLOW_TIMEOUT"
+    else:
+        raw, where = value, "mlflow_timeout"
+    try:
+        seconds = float(raw)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        seconds = -1.0
+    if isinstance(raw, bool) or not 0 < seconds < float("inf"):
+        raise InvalidArgumentError(f"{where} must be a positive number of seconds (e.g. 60), got {raw!r}")
+    return seconds
+
+
+def shown_uri(uri: str) -> str:
+    """A tracking URI without credentials, for messages."""
+    if not uri.startswith(("http://", "https://")):
+        return uri
+    parts = urllib.parse.urlsplit(uri)
+    netloc = parts.hostname or ""
+    if ":" in netloc:
+        netloc = f"[{netloc}]"
+    if parts.port:
+        netloc += f":{parts.port}"
+    return urllib.parse.urlunsplit((parts.scheme, netloc, parts.path, "", ""))
+
+
+class CallBudget:
+    """Runs hookline's MLflow calls with a time limit, without touching MLflow's settings.
+
+    Each call runs on a daemon thread and is waited for at most the budget (plus one second per
+    :data:`BYTES_PER_S` of a file transfer); a call that takes longer is left to finish (or fail)
+    in the background, and :meth:`call` raises. MLflow's own retries, timeouts and environment
+    variables, and the user's own MLflow calls, are unchanged.
+
+    Args:
+        uri: the tracking URI (named in errors, without credentials).
+        seconds: the budget; default :func:`budget_seconds`.
+    """
+
+    def __init__(self, uri: str, seconds: float | None = None) -> None:
+        self.uri = shown_uri(str(uri))
+        self.seconds = budget_seconds(seconds)
+
+    def __repr__(self) -> str:
+        return f"CallBudget({self.uri!r}, seconds={self.seconds:g})"
+
+    def call(self, what: str, fn: Callable[..., Any], *args: Any, size: int = 0, **kwargs: Any) -> Any:
+        """``fn(*args, **kwargs)``, waited for at most the budget.
+
+        Args:
+            what: the call, for the error message (``"get_run"``, ``"upload of 'hookline/x.h5'"``).
+            fn: the MLflow call.
+            size: bytes transferred (a file upload or download gets ``size / BYTES_PER_S`` s more).
+
+        Raises:
+            TrackingUnreachableError: the call did not finish in time.
+            Exception: whatever ``fn`` raised.
+        """
+        limit = self.limit(size)
+        box: dict[str, Any] = {}
+        done = threading.Event()
+
+        def run() -> None:
+            try:
+                box["value"] = fn(*args, **kwargs)
+            except BaseException as e:  # noqa: BLE001 - handed to the caller
+                box["error"] = e
+            finally:
+                done.set()
+
+        t = threading.Thread(target=run, name="hookline-mlflow-call", daemon=True)
+        try:
+            t.start()
+        except RuntimeError:  # interpreter exit (Python 3.12 starts no thread then): unbounded
+            return fn(*args, **kwargs)
+        if not done.wait(limit):
+            raise self.overrun(what, limit)
+        if "error" in box:
+            raise box["error"]
+        return box.get("value")
+
+    def limit(self, size: int = 0) -> float:
+        """Seconds a call transferring ``size`` bytes may take."""
+        return self.seconds + max(0, int(size)) / BYTES_PER_S
+
+    def overrun(self, what: str, limit: float) -> TrackingUnreachableError:
+        """The error for ``what`` not finished within ``limit`` seconds (not raised)."""
+        return TrackingUnreachableError(
+            f"the MLflow tracking server at {self.uri!r} did not finish {what} within {limit:g} s (hookline's time "
+            "budget for one MLflow call: mlflow_timeout=... / $HOOKLINE_MLFLOW_TIMEOUT, default "
+            f"{BUDGET_S:g} s; MLflow keeps retrying a server that answers errors, and waits for one that does not "
+            "answer): check the server; recorded files stay on disk, `hookline sync` uploads them later")
+
+
+def resolve_tracking_uri(tracking_uri: str | None) -> str:
+    """The tracking URI an :class:`mlflow.MlflowClient` for ``tracking_uri`` talks to: the URI
+    itself, else MLflow's resolution (``mlflow.set_tracking_uri``, ``$MLFLOW_TRACKING_URI``, else
+    MLflow's default, ``sqlite:///mlflow.db`` in the working directory)."""
+    if tracking_uri:
+        return str(tracking_uri)
+    import mlflow
+
+    return str(mlflow.get_tracking_uri())
+
+
+def _check_store_exists(uri: str, implicit: bool) -> None:
+    """Refuse a local store (``sqlite:`` file, ``file:`` or plain directory) that does not exist."""
+    path = None
+    if uri.startswith("sqlite:///"):
+        path = urllib.parse.unquote(uri[len("sqlite:///"):].split("?", 1)[0])
+        hint = "sqlite:///relative.db is relative to the working directory, sqlite:////abs.db absolute"
+    elif uri.startswith("file:"):
+        path = urllib.parse.unquote(urllib.parse.urlsplit(uri).path)
+        hint = "file:///abs/mlruns names a directory store"
+    elif "://" not in uri and not uri.startswith(("databricks", "uc:")) and uri:
+        path, hint = uri, "a plain path names a directory store"
+    if not path or os.path.exists(path):
+        return
+    shown = str(Path(path).absolute())
+    if implicit:
+        raise InvalidArgumentError(
+            f"no MLflow store here: no tracking URI was given, so MLflow's default {uri!r} is used, and "
+            f"{shown!r} does not exist; pass --tracking-uri URI / tracking_uri=... (e.g. "
+            "http://127.0.0.1:5000 or sqlite:////path/to/mlflow.db), set MLFLOW_TRACKING_URI, or run from the "
+            "folder that holds mlflow.db"
+        )
+    raise InvalidArgumentError(
+        f"no MLflow store at tracking URI {uri!r}: {shown!r} does not exist ({hint}); pass the URI of an "
+        "existing store (e.g. http://127.0.0.1:5000)"
+    )
+
+
+def connect(tracking_uri: str | None, *, existing: bool = False, timeout: float | None = None) -> Any:
     """An :class:`mlflow.MlflowClient` for ``tracking_uri`` (default: MLflow's resolution), after
     checking that an HTTP tracking server answers.
 
     Args:
         tracking_uri: the tracking URI.
         existing: the store must exist already (reading runs, syncing to a run): a ``sqlite:``
-            URI naming a file that is not there is a typo, not a new store to create.
+            file or store directory that is not there is a typo or the wrong folder, not a new
+            store to create (this holds for MLflow's implicit default ``./mlflow.db`` too).
+        timeout: the time budget (:func:`budget_seconds`); bounds the reachability probe.
 
     Raises:
         InvalidArgumentError: MLflow cannot use the URI (e.g. ``htp://...``), or (``existing``)
-            its sqlite file does not exist.
-        TrackingUnreachableError: the server does not answer within ``$HOOKLINE_MLFLOW_TIMEOUT``
-            seconds (default 10).
+            its store does not exist.
+        TrackingUnreachableError: the server does not answer properly (see :func:`check_reachable`).
     """
-    if existing and tracking_uri and tracking_uri.startswith("sqlite:///"):
-        db = tracking_uri[len("sqlite:///"):].split("?", 1)[0]  # (sqlite:///x.db?timeout=20)
-        if db and not os.path.exists(db):
-            raise InvalidArgumentError(
-                f"no MLflow store at tracking URI {tracking_uri!r}: {str(Path(db).absolute())!r} does not "
-                "exist (sqlite:///relative.db is relative to the working directory, sqlite:////abs.db absolute)"
-            )
     try:
         from mlflow import MlflowClient
     except ImportError as e:  # pragma: no cover - mlflow is a dependency
@@ -50,6 +193,8 @@ def connect(tracking_uri: str | None, *, existing: bool = False) -> Any:
             "the MLflow adapter needs mlflow: install it with `pip install mlflow` "
             f"(import failed: {e})"
         ) from e
+    if existing:
+        _check_store_exists(resolve_tracking_uri(tracking_uri), implicit=not tracking_uri)
     try:
         client = MlflowClient(tracking_uri=tracking_uri)
     except Exception as e:  # noqa: BLE001 - mlflow's own URI errors
@@ -57,70 +202,70 @@ def connect(tracking_uri: str | None, *, existing: bool = False) -> Any:
             f"MLflow cannot use the tracking URI {tracking_uri!r}: {short_error(e)}; use e.g. "
             "http://127.0.0.1:5000, sqlite:///mlflow.db or a local directory"
         ) from e
-    check_reachable(tracking_uri_of(client))
+    check_reachable(tracking_uri_of(client), budget=timeout)
     return client
 
 
-def _probe_timeout() -> float:
-    """``$HOOKLINE_MLFLOW_TIMEOUT`` (default :data:`REACH_TIMEOUT_S`), checked."""
-    raw = os.environ.get("HOOKLINE_MLFLOW_TIMEOUT") or str(REACH_TIMEOUT_S)
-    try:
-        timeout = float(raw)
-    except ValueError:
-        timeout = -1.0
-    if not 0 < timeout < float("inf"):
-        raise InvalidArgumentError(f"HOOKLINE_MLFLOW_TIMEOUT must be a positive number of seconds, got {raw!r}")
-    return timeout
+def _probe_timeout(budget: float | None) -> float:
+    """Seconds the probe waits: at most :data:`REACH_TIMEOUT_S`, at most the budget."""
+    return min(REACH_TIMEOUT_S, budget_seconds(budget))
 
 
-def check_reachable(uri: str, timeout: float | None = None) -> None:
+def check_reachable(uri: str, timeout: float | None = None, *, budget: float | None = None) -> None:
     """Raise :class:`TrackingUnreachableError` unless the HTTP(S) tracking server at ``uri``
-    answers ``GET /health`` (any HTTP status counts: it answered) within ``timeout`` seconds.
-    Other stores (sqlite, files, databases) are not checked.
+    answers one API request properly within ``timeout`` seconds. Other stores (sqlite, files,
+    databases) are not checked.
+
+    The probe is ``GET <uri>/api/2.0/mlflow/experiments/get?experiment_id=0``, sent once, without
+    MLflow's retries. Any answer below 500 counts (404 behind a proxy, 401 without credentials:
+    MLflow's own settings handle those), and so does a TLS handshake error (MLflow has its own
+    certificate settings); a 5xx answer, a refused connection or no answer in time do not.
 
     Args:
         uri: the tracking URI.
-        timeout: seconds to wait; default ``$HOOKLINE_MLFLOW_TIMEOUT``, else 10.
+        timeout: seconds to wait; default the smaller of 10 and the budget.
+        budget: the time budget (:func:`budget_seconds`: ``$HOOKLINE_MLFLOW_TIMEOUT``, default 60).
 
     Raises:
         HookTypeError: ``uri`` is not a str.
-        InvalidArgumentError: ``$HOOKLINE_MLFLOW_TIMEOUT`` is not a positive number.
-        TrackingUnreachableError: no answer in time (the message never shows credentials).
+        InvalidArgumentError: the budget (or ``$HOOKLINE_MLFLOW_TIMEOUT``) is not a positive number.
+        TrackingUnreachableError: no proper answer in time (the message never shows credentials).
     """
     if not isinstance(uri, str):
         raise HookTypeError(f"tracking URI must be a str such as 'http://127.0.0.1:5000', got {uri!r}")
+    if timeout is None:
+        timeout = _probe_timeout(budget)
     if not uri.startswith(("http://", "https://")):
         return
     import ssl
     import urllib.error
-    import urllib.parse
     import urllib.request
 
-    if timeout is None:
-        timeout = _probe_timeout()
-    parts = urllib.parse.urlsplit(uri)
-    # (credentials in the URI are MLflow's business: the probe needs only the host)
-    netloc = parts.hostname or ""
-    if ":" in netloc:
-        netloc = f"[{netloc}]"
-    if parts.port:
-        netloc += f":{parts.port}"
-    url = urllib.parse.urlunsplit((parts.scheme, netloc, parts.path.rstrip("/") + "/health", "", ""))
+    shown = shown_uri(uri)
+    parts = urllib.parse.urlsplit(shown)
+    path = parts.path.rstrip("/") + "/api/2.0/mlflow/experiments/get"
+    url = urllib.parse.urlunsplit((parts.scheme, parts.netloc, path, "experiment_id=0", ""))
     try:
         with urllib.request.urlopen(url, timeout=timeout) as resp:
             resp.read(64)
-    except urllib.error.HTTPError:
-        return  # an answer (401, 404 behind a proxy...): the server is there
-    except (OSError, ValueError) as e:  # URLError, refused, timed out, unresolvable, bad URL
-        reason = getattr(e, "reason", None) or e
-        if isinstance(reason, (ssl.SSLError, ssl.CertificateError)):
-            return  # it answered the TLS handshake (MLflow has its own certificate settings)
-        shown = urllib.parse.urlunsplit((parts.scheme, netloc, parts.path, "", ""))  # (no password)
+        return
+    except urllib.error.HTTPError as e:
+        if e.code < 500:
+            return  # an answer (401, 404 behind a proxy...): the server is there
         raise TrackingUnreachableError(
-            f"cannot reach the MLflow tracking server at {shown!r} ({reason}; waited up to {timeout:g} s): "
-            "start it, or pass the right tracking URI (tracking_uri=... / --tracking-uri / "
-            "MLFLOW_TRACKING_URI); recorded files stay on disk, `hookline sync` uploads them later"
-        ) from e
+            f"the MLflow tracking server at {shown!r} is failing: it answered HTTP {e.code} {e.reason} to GET "
+            f"{path}: check the server and its log (e.g. its backend store); recorded files stay on disk, "
+            "`hookline sync` uploads them later") from e
+    except (OSError, ValueError) as e:  # URLError, refused, timed out, unresolvable, bad URL
+        r = getattr(e, "reason", None) or e
+        if isinstance(r, (ssl.SSLError, ssl.CertificateError)):
+            return  # it answered the TLS handshake (MLflow has its own certificate settings)
+        timed_out = isinstance(r, TimeoutError) or "timed out" in str(r)
+        reason = f"no answer to GET {path}" if timed_out else f"{r}"
+        raise TrackingUnreachableError(
+            f"cannot reach the MLflow tracking server at {shown!r} ({reason}; waited up to {timeout:g} s): start "
+            "it, or pass the right tracking URI (tracking_uri=... / --tracking-uri / MLFLOW_TRACKING_URI); recorded "
+            "files stay on disk, `hookline sync` uploads them later") from e
 
 
 def tracking_uri_of(client: Any) -> str:
@@ -128,16 +273,24 @@ def tracking_uri_of(client: Any) -> str:
     return str(getattr(client, "tracking_uri", None) or "?")
 
 
-def get_run(client: Any, run_id: str) -> Any:
+def get_run(client: Any, run_id: str, budget: CallBudget | None = None) -> Any:
     """``client.get_run(run_id)`` with hookline errors that quote the run id and the tracking URI.
+
+    Args:
+        client: the :class:`mlflow.MlflowClient`.
+        run_id: the run.
+        budget: the time budget of the call (default: none).
 
     Raises:
         UnknownNameError: the run does not exist, or is deleted (MLflow accepts artifacts into a
             deleted run but refuses its metrics).
+        TrackingUnreachableError: the call ran out of its budget.
         TrackingError: any other failure.
     """
     try:
-        run = client.get_run(run_id)
+        run = client.get_run(run_id) if budget is None else budget.call("get_run", client.get_run, run_id)
+    except TrackingError:
+        raise
     except Exception as e:  # noqa: BLE001 - classify mlflow's errors
         code = getattr(e, "error_code", "")
         uri = tracking_uri_of(client)
@@ -148,7 +301,10 @@ def get_run(client: Any, run_id: str) -> Any:
                 "tracking URI "
                 "(tracking_uri=... / --tracking-uri / MLFLOW_TRACKING_URI)"
             ) from e
-        raise TrackingError(f"cannot reach MLflow run {run_id!r} at tracking URI {uri!r}: {short_error(e)}") from e
+        text = str(e)
+        down = "Failed to establish a new connection" in text or "Max retries exceeded" in text
+        raise (TrackingUnreachableError if down else TrackingError)(
+            f"cannot reach MLflow run {run_id!r} at tracking URI {uri!r}: {short_error(e)}") from e
     if getattr(run.info, "lifecycle_stage", "active") == "deleted":
         raise UnknownNameError(
             f"MLflow run {run_id!r} at tracking URI {tracking_uri_of(client)!r} is deleted: restore it "

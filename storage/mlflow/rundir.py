@@ -1,4 +1,4 @@
-"""What a local run directory holds for an upload: its manifests, sound handle files, file digests and norm series."""
+"""What a local run directory holds for an upload: its manifests and identity, sound handle files, file digests and norm series."""
 
 from __future__ import annotations
 
@@ -13,11 +13,13 @@ import numpy as np
 
 from .._h5read import open_part
 from ..confine import RunRoot
-from ..errors import FormatError, UnknownNameError
-from ..format import MANIFEST_RE
+from ..errors import DuplicateNameError, FormatError, UnknownNameError
+from ..format import MANIFEST_RE, run_identity
+from .keys import origin_tag
 from .client import short_error
 
-__all__ = ["NormSeries", "load_manifests", "created_ms", "file_damage", "file_digest", "norm_fields", "read_series"]
+__all__ = ["NormSeries", "check_origin", "load_manifests", "created_ms", "file_damage", "file_digest", "norm_fields",
+           "read_series", "part_series"]
 
 #: ``mode="stats"`` fields other than ``.norm`` get no metric series of their own.
 _STATS_SUFFIXES = (".mean", ".std", ".min", ".max", ".absmax", ".hist")
@@ -70,7 +72,8 @@ def created_ms(man: dict) -> int:
     return 0
 
 
-def file_damage(path: Path, handle_id: str, entry: dict, exact: bool) -> str | None:
+def file_damage(path: Path, handle_id: str, entry: dict, exact: bool,
+                norms: tuple[list[tuple[str, str, bool]], int, dict] | None = None) -> str | None:
     """Why a handle file must not be uploaded, or None when it is sound.
 
     A file is damaged when it does not open as a hookline handle file (truncated, not HDF5),
@@ -83,6 +86,9 @@ def file_damage(path: Path, handle_id: str, entry: dict, exact: bool) -> str | N
         handle_id: the handle the manifest entry is of.
         entry: the manifest entry.
         exact: also require the manifest's record count (mid-run passes may read an older manifest).
+        norms: ``(fields, start, out)``: for a sound file that holds all of the handle's records
+            (``exact``), also put its :func:`part_series` of ``fields`` from record ``start`` on
+            into ``out["series"]`` (the file is opened once for both).
     """
     try:
         part = open_part(path)
@@ -106,6 +112,9 @@ def file_damage(path: Path, handle_id: str, entry: dict, exact: bool) -> str | N
                 return f"field {name!r}: its index does not match its {pf.count} entries"
             if pf.count:
                 pf.read_stored(pf.count - 1)  # the data is there
+        if norms is not None and exact:
+            fields, start, out = norms
+            out["series"] = part_series(part, fields, start)
     except Exception as e:  # noqa: BLE001 - any failure to read it is damage
         return short_error(e)
     finally:
@@ -204,3 +213,62 @@ def read_series(run: Any, handle_id: str, rank: int | None, fields: list[tuple[s
         new = recs >= start
         out.append(NormSeries(base, recs[new], steps[new], vals[new], vals, steps, recs))
     return n, out
+
+
+def part_series(part: Any, fields: list[tuple[str, str, bool]], start: int) -> list[NormSeries]:
+    """:func:`read_series` of a handle whose records are all in one opened part (its final file).
+
+    Args:
+        part: the opened part (:func:`~.._h5read.open_part`).
+        fields: :func:`norm_fields` of the handle.
+        start: the watermark: records already logged.
+    """
+    out = []
+    present = set(part.field_names)
+    steps_all = np.asarray(part.steps, dtype=np.int64)
+    for name, base, is_norm in fields:
+        if name not in present:
+            continue
+        pf = part.field(name)
+        recs = np.asarray(pf.records, dtype=np.int64)
+
+        def value(j: int, pf: Any = pf) -> np.ndarray:
+            return np.asarray(pf.read_stored(j), dtype=np.float64).ravel()
+
+        if is_norm:  # mode="stats": the stored value is the norm
+            vals = np.array([abs(float(value(j)[0])) for j in range(pf.count)], dtype=np.float64)
+        elif pf.stored_norms is not None:
+            vals = np.asarray(pf.stored_norms, dtype=np.float64)
+        else:  # (int/bool fields: no stored norms)
+            vals = np.array([float(np.linalg.norm(value(j))) for j in range(pf.count)], dtype=np.float64)
+        steps = steps_all[recs - part.record_start]
+        new = recs >= start
+        out.append(NormSeries(base, recs[new], steps[new], vals[new], vals, steps, recs))
+    return out
+
+
+def check_origin(run_id: str, run_dir: Path, manifests: list[tuple[Path, dict]],
+                 tags_now: dict[str, str], params_now: dict[str, str]) -> dict[str, str]:
+    """The run's ``hookline.origin`` params (each rank's run directory, by its manifest's
+    ``run_uuid``; a param, since it never changes; runs synced before were tagged instead).
+
+    Raises:
+        DuplicateNameError: the MLflow run already holds another run directory: its handle files
+            have the same artifact paths and its records the same metric keys, so this one would
+            replace the first one's files and lose its metric points.
+    """
+    tags = {}
+    for _, man in manifests:
+        key = origin_tag(man.get("rank"))
+        mine = run_identity(man)
+        if not mine:
+            continue  # identity unknown (a manifest rebuilt from old files): neither checked nor set
+        have = params_now.get(key, tags_now.get(key))
+        if have is not None and have != mine:
+            raise DuplicateNameError(
+                f"MLflow run {run_id!r} already holds the hookline data of another run directory "
+                f"({key} {have!r}; {str(run_dir)!r} is {mine!r}): one run directory per MLflow run; "
+                "record or sync this one into a new MLflow run (e.g. a child run of this one)"
+            )
+        tags[key] = mine
+    return tags

@@ -12,7 +12,10 @@ What a pass does (:meth:`Uploader.run`), each step a method of :class:`_Pass`:
    ``log_batch``;
 4. uploads the manifest(s) last, as ``hookline/manifest.json`` / ``hookline/manifest.rank<r>.json``,
    then the sync record;
-5. logs the per-handle and run-level tags (and the ``hookline.origin`` param) with ``log_batch``.
+5. logs the per-handle and run-level tags (and the ``hookline.origin`` param) with ``log_batch``
+   (a small pass sends its norm points in the same request).
+
+Every MLflow call is bounded by the time budget (:class:`~.client.CallBudget`).
 
 Idempotence: files are compared by size + SHA-256 against the sync record and skipped when
 equal; metric points carry deterministic timestamps (manifest creation time + record index), so a
@@ -24,6 +27,7 @@ them again.
 from __future__ import annotations
 
 import enum
+import functools
 import logging
 import re
 import threading
@@ -35,8 +39,9 @@ from typing import Any
 from ..errors import DuplicateNameError, FormatError, HookTypeError, InvalidArgumentError, TrackingError
 from ..confine import RunRoot
 from ..errors import TrackingUnreachableError, UnknownNameError
-from ..format import run_identity
-from .client import check_reachable, connect, get_run, short_error, tracking_uri_of
+from ..format import check_manifest
+from .client import REACH_TIMEOUT_S, CallBudget, budget_seconds, check_reachable, connect, get_run, short_error, \
+    tracking_uri_of
 from .keys import (
     ARTIFACT_ROOT,
     FORMAT_VERSION_TAG,
@@ -44,17 +49,21 @@ from .keys import (
     bytes_tag,
     handles_tag,
     module_type_tag,
-    origin_tag,
     tag_key,
 )
 from .report import SyncReport
-from .rundir import created_ms, file_damage, file_digest, load_manifests, norm_fields, read_series
+from .rundir import NormSeries, check_origin, created_ms, file_damage, file_digest, load_manifests, norm_fields, \
+    read_series
 from .runpage import handle_tags, norm_points
 from .syncstate import SyncState
+from .transfer import FileUpload, ParallelUploads
 
 __all__ = ["PassMode", "Uploader"]
 
 log = logging.getLogger("hookline.mlflow")
+
+#: Metric points plus tags in one ``log_batch`` request (MLflow's limits: 1,000 entities, 100 tags).
+_ONE_REQUEST, _ONE_REQUEST_TAGS = 1000, 100
 
 
 class PassMode(enum.IntEnum):
@@ -85,21 +94,6 @@ class _HandlePlan:
     entry: dict
 
 
-@dataclass
-class _FileUpload:
-    """One handle file to upload.
-
-    Attributes:
-        artifact: its artifact path (``hookline/<file>``).
-        local: the local file.
-        digest: its ``<size>:<sha256>``.
-    """
-
-    artifact: str
-    local: Path
-    digest: str
-
-
 class Uploader:
     """Sync passes of run directories into one MLflow run, one pass at a time.
 
@@ -110,14 +104,17 @@ class Uploader:
         tracking_uri: tracking server/store, connected on first use.
         existing_store: the store must exist already (see :func:`~.client.connect`).
         max_workers: parallel artifact uploads.
+        mlflow_timeout: the time budget of each MLflow call (:func:`~.client.budget_seconds`:
+            default ``$HOOKLINE_MLFLOW_TIMEOUT``, else 60 s).
 
     Raises:
         HookTypeError: ``run_id`` is not a str.
-        InvalidArgumentError: for a malformed run id, a negative rank or ``max_workers < 1``.
+        InvalidArgumentError: for a malformed run id, a negative rank, ``max_workers < 1`` or a
+            budget that is not a positive number.
     """
 
     def __init__(self, run_id: str, *, rank: int | None = None, tracking_uri: str | None = None,
-                 existing_store: bool = False, max_workers: int = 4) -> None:
+                 existing_store: bool = False, max_workers: int = 4, mlflow_timeout: float | None = None) -> None:
         if not isinstance(run_id, str):
             raise HookTypeError(
                 f"MLflow run id must be a str (the 32-hex id of an existing run), got "
@@ -137,11 +134,15 @@ class Uploader:
         self.rank = rank
         self.tracking_uri = tracking_uri
         self.max_workers = int(max_workers)
+        self.budget_s = budget_seconds(mlflow_timeout)
         self._existing_store = existing_store
         self._client: Any = None
         self._client_lock = threading.Lock()
         self._pass_lock = threading.Lock()
         self._hashes: dict[Path, tuple[tuple[int, int], str]] = {}  # file digests, by (size, mtime)
+        self._probed = False  # connect() has just probed the server: the next pass need not
+        self._run_now: Any = None  # the MLflow run as fetched by check_run(), for the next pass
+        self._down: tuple[float, TrackingUnreachableError] | None = None  # the server's last failure
         self.state: SyncState | None = None  # the run's sync record, read once (this uploader updates it)
 
     @property
@@ -149,14 +150,45 @@ class Uploader:
         """The :class:`mlflow.MlflowClient` (connected on first use)."""
         with self._client_lock:
             if self._client is None:
-                self._client = connect(self.tracking_uri, existing=self._existing_store)
+                self._client = connect(self.tracking_uri, existing=self._existing_store, timeout=self.budget_s)
+                self._probed = True
             return self._client
+
+    def budget(self) -> CallBudget:
+        """A :class:`~.client.CallBudget` for this uploader's calls (connects on first use)."""
+        return CallBudget(tracking_uri_of(self.client), self.budget_s)
+
+    def check_run(self) -> Any:
+        """Fetch the MLflow run now (clear errors for an unknown or deleted run before anything is
+        read); the next pass uses it instead of fetching it again.
+
+        Raises:
+            UnknownNameError: the run does not exist or is deleted.
+            TrackingError: the server failed (:class:`TrackingUnreachableError`: no proper answer).
+        """
+        self._run_now = get_run(self.client, self.run_id, self.budget())
+        return self._run_now
+
+    def reach(self) -> None:
+        """Check that the server answers (unless connecting just did); one that failed less than 10 s
+        ago fails at once, again (the passes of one ``close()`` do not each wait for it)."""
+        if self._down is not None and time.monotonic() - self._down[0] < REACH_TIMEOUT_S:
+            raise self._down[1]
+        client = self.client
+        if not self._probed:
+            check_reachable(tracking_uri_of(client), budget=self.budget_s)
+        self._probed = False
+
+    def fetch_run(self, budget: CallBudget) -> Any:
+        """The MLflow run: the one :meth:`check_run` fetched just before, else fetched now."""
+        run, self._run_now = self._run_now, None
+        return run if run is not None else get_run(self.client, self.run_id, budget)
 
     def run(self, run_dir: Path, mode: PassMode) -> SyncReport:
         """One pass over ``run_dir`` (after a pass already running finished).
 
-        Failures of single requests and uploads, an unreachable server included, are collected in
-        the returned report (and logged as a warning); the next pass retries what is missing.
+        Failures of requests and uploads, a failing server included, are collected in the returned
+        report (and logged as a warning); the next pass retries what is missing.
 
         Raises:
             UnknownNameError: the run or the run directory does not exist (or the run is deleted).
@@ -168,11 +200,14 @@ class Uploader:
             report = SyncReport(self.run_id)
             try:
                 _Pass(self, run_dir, mode, report, self._hashes).execute()
+                self._down = None
             except (UnknownNameError, FormatError, DuplicateNameError):
                 raise
             except Exception as e:  # noqa: BLE001 - collected into the report
                 report.errors.append(short_error(e) if isinstance(e, TrackingError) else f"{run_dir}: {short_error(e)}")
                 report.unreachable = report.unreachable or isinstance(e, TrackingUnreachableError)
+                if isinstance(e, TrackingUnreachableError):
+                    self._down = (time.monotonic(), e)
             report.seconds = time.perf_counter() - t0
             if report.errors:
                 log.warning("hookline: MLflow sync of %s to run %s: %s", run_dir, self.run_id, "; ".join(report.errors))
@@ -200,35 +235,42 @@ class _Pass:
         #: handles (id, rank) whose file is refused: outside the run, or damaged (no upload, no tags)
         self.refused: set[tuple[str, int | None]] = set()
         self._run: Any = None  # the run directory opened with the storage reader, on first need
+        self.budget: CallBudget | None = None
+        #: norm series read while a file was checked (opened once): (handle id, rank) -> (records, series)
+        self.series: dict[tuple[str, int | None], tuple[int, list[NormSeries]]] = {}
 
     def execute(self) -> None:
         """Run the steps (module docstring) in order."""
         self.manifests = load_manifests(self.run_dir, self.rank)
         self.client = self.up.client
-        check_reachable(tracking_uri_of(self.client))  # fail in seconds, not after MLflow's minutes of retries
-        data = get_run(self.client, self.run_id).data
+        self.up.reach()  # fail in seconds, not after MLflow's minutes of retries
+        self.budget = self.up.budget()
+        data = self.up.fetch_run(self.budget).data
         self.tags_now, self.params_now = dict(data.tags), dict(data.params)
-        origin = _check_origin(self.run_id, self.run_dir, self.manifests, self.tags_now, self.params_now)
+        origin = check_origin(self.run_id, self.run_dir, self.manifests, self.tags_now, self.params_now)
         if self.mode != PassMode.METRICS:
             if self.up.state is None:
-                self.up.state = SyncState.load(self.client, self.run_id, self.rank, self.tags_now)
+                self.up.state = self.budget.call("reading the sync record", SyncState.load, self.client,
+                                                 self.run_id, self.rank, self.tags_now)
             self.state = self.up.state
         self.plans = self._plan_handles()
-        uploads = self._files_to_upload()
-        running = _ParallelUploads(self.client, self.run_id, uploads, self.up.max_workers)
+        running = ParallelUploads(self.client, self.run_id, self.up.max_workers, self.budget)
+        uploads = self._files_to_upload(running)  # (each starts as soon as its file is checked)
         try:
-            tags, type_tags = self._log_norms()
+            tags, type_tags, later = self._log_norms()
         finally:
             if self._run is not None:
                 self._run.close()
             results = running.wait()
         self._note_uploads(uploads, results)
         tags.update(self._run_tags(type_tags))
+        if running.down is not None:  # the server stopped answering: the tags would not get through
+            raise running.down
         if self.mode != PassMode.METRICS:
             if not self.report.errors and not self.report.pending:
                 self._upload_manifests()  # last: after the files they describe
             tags.update(self._save_state())
-        self._send_tags(tags, {k: v for k, v in origin.items() if self.params_now.get(k) != v})
+        self._send_tags(tags, {k: v for k, v in origin.items() if self.params_now.get(k) != v}, later)
 
     # -- step 1: handles and files ---------------------------------------------------------------
 
@@ -239,10 +281,11 @@ class _Pass:
             plans.extend(_HandlePlan(man, rank, hid, entry) for hid, entry in sorted(man.get("handles", {}).items()))
         return plans
 
-    def _files_to_upload(self) -> list[_FileUpload]:
-        """The handle files whose digest differs from the sync record's; the others are
-        reported as skipped, pending (mid-run) or missing (final pass)."""
-        uploads: list[_FileUpload] = []
+    def _files_to_upload(self, running: ParallelUploads) -> list[FileUpload]:
+        """The handle files whose digest differs from the sync record's, handed to ``running`` as
+        they are found sound; the others are reported as skipped, pending (mid-run) or missing
+        (final pass)."""
+        uploads: list[FileUpload] = []
         if self.mode == PassMode.METRICS:
             return uploads
         root = RunRoot(self.run_dir)
@@ -270,9 +313,17 @@ class _Pass:
             if self.state.get(apath) == digest:
                 self.report.skipped.append(apath)
                 continue
-            damage = file_damage(local, plan.handle_id, plan.entry, exact=self.mode == PassMode.FINAL)
+            got: dict[str, list[NormSeries]] = {}
+            done = self._records_logged(plan)
+            n_total = int(plan.entry.get("records", 0) or 0)
+            fields = norm_fields(plan.entry.get("fields", {}) or {})
+            want = (fields, done, got) if fields and n_total > done and self.readable else None
+            damage = file_damage(local, plan.handle_id, plan.entry, exact=self.mode == PassMode.FINAL, norms=want)
+            if "series" in got:
+                self.series[(plan.handle_id, plan.rank)] = (n_total, got["series"])
             if damage is None:
-                uploads.append(_FileUpload(apath, local, digest))
+                uploads.append(FileUpload(apath, local, digest))
+                running.add(uploads[-1])
             else:
                 self._refuse(plan, f"handle {plan.handle_id!r}: file {str(local)!r} is damaged ({damage}); "
                                    "not uploaded (run `hookline verify --repair` on the run directory, then sync again)")
@@ -283,7 +334,7 @@ class _Pass:
         self.report.errors.append(why)
         self.refused.add((plan.handle_id, plan.rank))
 
-    def _note_uploads(self, uploads: list[_FileUpload], errors: list[str | None]) -> None:
+    def _note_uploads(self, uploads: list[FileUpload], errors: list[str | None]) -> None:
         """Report the finished uploads and record their digests in the sync record."""
         for up, err in zip(uploads, errors):
             if err is None:
@@ -295,7 +346,9 @@ class _Pass:
     def _save_state(self) -> dict[str, str]:
         """Upload the sync record if it changed; the ``hookline.bytes`` tag that goes with it."""
         try:
-            saved = self.state.save(self.client, self.run_id)
+            saved = self.budget.call("the upload of the sync record", self.state.save, self.client, self.run_id)
+        except TrackingUnreachableError:
+            raise
         except TrackingError as e:
             self.report.errors.append(str(e))
             return {}
@@ -307,8 +360,10 @@ class _Pass:
 
     # -- step 2: norm metrics --------------------------------------------------------------------
 
-    def _log_norms(self) -> tuple[dict[str, str], set[str]]:
-        """Log the norm points not logged yet; return the handle tags and the module-type tags."""
+    def _log_norms(self) -> tuple[dict[str, str], set[str], list[Any]]:
+        """Log the norm points not logged yet; return the handle tags, the module-type tags and
+        the points left for the tags' request (a small pass sends both in one request, which
+        MLflow stores metrics first: the ``records`` watermark never runs ahead of its points)."""
         metrics: list[Any] = []
         tags: dict[str, str] = {}
         type_tags: set[str] = set()
@@ -319,9 +374,9 @@ class _Pass:
             n_total = int(plan.entry.get("records", 0) or 0)
             fields = norm_fields(plan.entry.get("fields", {}) or {})
             if fields and n_total > done:  # the manifest is rewritten at every flush
-                run = self._open_run()
                 try:
-                    n_total, series = read_series(run, plan.handle_id, plan.manifest.get("rank"), fields, done)
+                    n_total, series = self.series.get((plan.handle_id, plan.rank)) or \
+                        read_series(self._open_run(), plan.handle_id, plan.manifest.get("rank"), fields, done)
                 except Exception as e:  # noqa: BLE001 - a broken file must not stop the others
                     self.report.errors.append(f"handle {plan.handle_id!r}: reading norms failed: {short_error(e)} "
                                               "(run `hookline verify` on the run directory)")
@@ -331,13 +386,20 @@ class _Pass:
             t = module_type_tag(plan.entry.get("module_type"))
             if t:
                 type_tags.add(t)
-        if metrics:
-            try:
-                self.client.log_batch(self.run_id, metrics=metrics, synchronous=True)
-            except Exception as e:  # noqa: BLE001
-                raise TrackingError(f"logging {len(metrics)} metric points failed: {short_error(e)}") from e
-            self.report.metrics += len(metrics)
-        return tags, type_tags
+        if len(metrics) <= _ONE_REQUEST and len(self.plans) * 12 + 20 <= _ONE_REQUEST_TAGS:
+            return tags, type_tags, metrics
+        self._log_batch(metrics, {})  # (now: while the files upload)
+        return tags, type_tags, []
+
+    @functools.cached_property
+    def readable(self) -> bool:
+        """Whether the reader accepts the manifests (else norms are read through it, and fail)."""
+        try:
+            for mpath, man in self.manifests:
+                check_manifest(man, str(mpath))
+        except FormatError:
+            return False
+        return True
 
     def _open_run(self) -> Any:
         if self._run is None:
@@ -366,19 +428,33 @@ class _Pass:
             tags[t] = "true"
         return tags
 
-    def _send_tags(self, tags: dict[str, str], params: dict[str, str] | None = None) -> None:
-        """Log the tags whose value the run does not have yet (and new params), in one request."""
+    def _send_tags(self, tags: dict[str, str], params: dict[str, str], metrics: list[Any]) -> None:
+        """Log the tags whose value the run does not have yet, new params and the ``metrics`` left
+        for this request: in one request when they fit in one, else the metrics first."""
         changed = {k: v for k, v in tags.items() if self.tags_now.get(k) != v}
-        if not changed and not params:
+        if len(metrics) + len(changed) + len(params) > _ONE_REQUEST or len(changed) + len(params) > _ONE_REQUEST_TAGS:
+            self._log_batch(metrics, {})
+            metrics = []
+        self._log_batch(metrics, changed, params)
+
+    def _log_batch(self, metrics: list[Any], tags: dict[str, str], params: dict[str, str] | None = None) -> None:
+        """One ``log_batch`` (MLflow splits it when it is larger than one request allows)."""
+        if not metrics and not tags and not params:
             return
         from mlflow.entities import Param, RunTag
 
+        what = " and ".join(x for x in (f"{len(metrics)} metric points" if metrics else "",
+                                        f"{len(tags)} tags" if tags else "", "params" if params else "") if x)
         try:
-            self.client.log_batch(self.run_id, tags=[RunTag(k, v) for k, v in changed.items()],
-                                  params=[Param(k, v) for k, v in (params or {}).items()], synchronous=True)
+            self.budget.call(f"logging {what}", self.client.log_batch, self.run_id, metrics=metrics,
+                             tags=[RunTag(k, v) for k, v in tags.items()],
+                             params=[Param(k, v) for k, v in (params or {}).items()], synchronous=True)
+        except TrackingUnreachableError:
+            raise
         except Exception as e:  # noqa: BLE001
-            raise TrackingError(f"logging {len(changed)} tags failed: {short_error(e)}") from e
-        self.report.tags += len(changed)
+            raise TrackingError(f"logging {what} failed: {short_error(e)}") from e
+        self.report.metrics += len(metrics)
+        self.report.tags += len(tags)
 
     # -- step 4: manifests -----------------------------------------------------------------------
 
@@ -390,7 +466,10 @@ class _Pass:
                 self.report.skipped.append(apath)
                 continue
             try:
-                self.client.log_artifact(self.run_id, str(mpath), ARTIFACT_ROOT)
+                self.budget.call(f"the upload of {apath!r}", self.client.log_artifact, self.run_id, str(mpath),
+                                 ARTIFACT_ROOT, size=mpath.stat().st_size)
+            except TrackingUnreachableError:
+                raise
             except Exception as e:  # noqa: BLE001
                 self.report.errors.append(f"upload of {apath!r} failed: {short_error(e)}")
                 continue
@@ -398,85 +477,7 @@ class _Pass:
             self.state.put(apath, digest)
 
 
-class _ParallelUploads:
-    """Artifact uploads running on up to ``max_workers`` threads while the pass goes on.
-
-    Plain daemon threads, not a ``concurrent.futures`` executor: an adapter left open makes its
-    final pass at interpreter exit, when executors refuse new work; and daemon, so that an upload
-    stuck past the exit time limit does not keep the process alive.
-
-    Args:
-        client: the :class:`mlflow.MlflowClient`.
-        run_id: the MLflow run.
-        uploads: the files to upload.
-        max_workers: most threads.
-    """
-
-    def __init__(self, client: Any, run_id: str, uploads: list[_FileUpload], max_workers: int) -> None:
-        self._client = client
-        self._run_id = run_id
-        self._uploads = uploads
-        self._errors: list[str | None] = [None] * len(uploads)
-        self._next = 0
-        self._lock = threading.Lock()
-        self._threads: list[threading.Thread] = []
-        for _ in range(min(max_workers, len(uploads))):
-            t = threading.Thread(target=self._work, name="hookline-upload", daemon=True)
-            try:
-                t.start()
-            except RuntimeError:  # Python 3.12 starts no thread at interpreter exit: wait() uploads
-                break
-            self._threads.append(t)
-
-    def _work(self) -> None:
-        while True:
-            with self._lock:
-                i = self._next
-                if i >= len(self._uploads):
-                    return
-                self._next += 1
-            up = self._uploads[i]
-            try:
-                self._client.log_artifact(self._run_id, str(up.local), up.artifact.rsplit("/", 1)[0])
-            except Exception as e:  # noqa: BLE001 - reported per file
-                self._errors[i] = short_error(e)
-
-    def wait(self) -> list[str | None]:
-        """Block until every upload finished; the error of each (None: uploaded), in order."""
-        if not self._threads:
-            self._work()  # no thread could start: upload here, one after the other
-        for t in self._threads:
-            t.join()
-        return self._errors
-
-
-def _check_origin(run_id: str, run_dir: Path, manifests: list[tuple[Path, dict]],
-                  tags_now: dict[str, str], params_now: dict[str, str]) -> dict[str, str]:
-    """The run's ``hookline.origin`` params (each rank's run directory, by its manifest's
-    ``run_uuid``; a param, since it never changes; runs synced before were tagged instead).
-
-    Raises:
-        DuplicateNameError: the MLflow run already holds another run directory: its handle files
-            have the same artifact paths and its records the same metric keys, so this one would
-            replace the first one's files and lose its metric points.
-    """
-    tags = {}
-    for _, man in manifests:
-        key = origin_tag(man.get("rank"))
-        mine = run_identity(man)
-        if not mine:
-            continue  # identity unknown (a manifest rebuilt from old files): neither checked nor set
-        have = params_now.get(key, tags_now.get(key))
-        if have is not None and have != mine:
-            raise DuplicateNameError(
-                f"MLflow run {run_id!r} already holds the hookline data of another run directory "
-                f"({key} {have!r}; {str(run_dir)!r} is {mine!r}): one run directory per MLflow run; "
-                "record or sync this one into a new MLflow run (e.g. a child run of this one)"
-            )
-        tags[key] = mine
-    return tags
-
-
+@functools.lru_cache(maxsize=1)
 def _version() -> str:
     try:
         from importlib.metadata import version
