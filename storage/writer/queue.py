@@ -86,12 +86,15 @@ class WriteQueue:
         policy: ``"block"`` or ``"drop"`` (see :class:`~hookline.storage.RunWriter`).
         stats: the writer's counters (updated here under the lock).
         where: the run directory, for messages.
+        max_bytes: most bytes queued and staged (default: the whole budget; a writer keeps
+            what its open files cost out of it, :meth:`Budget.queue_bytes`).
     """
 
-    def __init__(self, budget: Budget, policy: str, stats: WriterStats, where: str) -> None:
+    def __init__(self, budget: Budget, policy: str, stats: WriterStats, where: str,
+                 max_bytes: int | None = None) -> None:
         self.cond = threading.Condition()
         self._items: deque[Message] = deque()
-        self._max_bytes = budget.bytes
+        self._max_bytes = budget.bytes if max_bytes is None else max_bytes
         self._wake_bytes = budget.wake_bytes
         self._policy = policy
         self._stats = stats

@@ -25,7 +25,7 @@ import numpy as np
 
 from .. import dtypes
 from .._filters import CompressionRules
-from .._fs import Writeback, check_max_open_files, lock_run, unlock_run
+from .._fs import Writeback, check_max_open_files, lock_run, open_files_share, unlock_run
 from ..budget import Budget
 from ..errors import HookTypeError, InvalidArgumentError, StorageError, UnknownNameError, WriterClosedError
 from ..format import manifest_name, rank_suffix
@@ -36,7 +36,7 @@ from .context import WriterContext
 from .handle import NewField, WriterHandle
 from .manifest import ManifestWriter, RunIdentity
 from .queue import Close, Flush, NewHandle, Record, WriteQueue
-from .staging import PartTools
+from .staging import FileSlots, PartTools
 from .stats import HandleStats, WriterStats
 from .thread import WriterThread
 
@@ -71,11 +71,12 @@ class RunWriter:
             disk busy while the run goes on, so ``flush()``/``close()`` find little left to
             sync and a long run does not fill the page cache; 0 or None leaves writeback to
             the kernel. See docs/storage.md.
-        max_open_files: most segment files open at once (one per handle written since the last
-            flush). When more handles write, the least recently written handle's segment is
-            sealed (closed, published as ``.h5seg``, fsynced at the next flush) and its next
-            records start a new one. None (default): half the process's open-file limit
-            (``ulimit -n``) minus 64 for everything else, between 8 and 1024.
+        max_open_files: most segment files open at once. Each handle written since the last
+            flush has one segment; beyond this many, the least recently written one's file is
+            parked (closed, reopened when its handle writes again: one segment per handle per
+            flush whatever the number of handles). Each open file costs HDF5 ~0.55 MB, counted
+            against ``max_buffer_mb``. None (default): as many as an eighth of the budget pays
+            for (at least 4), at most half the open-file limit (``ulimit -n``) minus 64.
 
     Example:
         >>> w = RunWriter("runs/a", max_buffer_mb=256)
@@ -112,8 +113,12 @@ class RunWriter:
             raise InvalidArgumentError(
                 f"writeback_mb must be a number >= 0 or None (0/None: leave writeback to the kernel), got {writeback_mb!r}"
             )
-        # Half of the open-file limit (torch, sockets, readers and merges need files too).
-        self.max_open_files = check_max_open_files(max_open_files, 2, 1024)
+        # At most half of the open-file limit (torch, sockets, readers and merges need files too);
+        # by default as many as an eighth of the budget pays for (each costs HDF5 ~0.55 MB).
+        if max_open_files is None:
+            self.max_open_files = self.budget.open_files(open_files_share(2, 1024))
+        else:
+            self.max_open_files = check_max_open_files(max_open_files, 2, 1024)
         compression_rules = CompressionRules(compression)
         self.meta = json_meta(meta, "run meta")  # before anything is created
         self.run_dir = Path(run_dir)
@@ -134,17 +139,18 @@ class RunWriter:
         self._identity = RunIdentity.load(self.run_dir, manifest_path, rank, world_size, self.meta, uuid.uuid4().hex)
         self._handles: dict[str, WriterHandle] = {}  # declaration order
         self._stats = WriterStats(max_buffer_bytes=self.max_buffer_bytes)
-        self._queue = WriteQueue(self.budget, policy, self._stats, str(self.run_dir))
+        self._queue = WriteQueue(self.budget, policy, self._stats, str(self.run_dir),
+                                 max_bytes=self.budget.queue_bytes(self.max_open_files))
         self._closed = False
         self._error_raised_by_close = False
         self._close_stats: WriterStats | None = None
         writeback_bytes = int((writeback_mb or 0) * (1 << 20))
         ctx = WriterContext(self.run_dir, fsync, compression_rules, writeback_bytes,
-                            Writeback(writeback_bytes), self._identity, PartTools(self._queue.release))
+                            Writeback(writeback_bytes), self._identity,
+                            PartTools(self._queue.release, FileSlots(self.max_open_files, self._stats)))
         manifest = ManifestWriter(manifest_path, self._identity, fsync)
         self._thread = WriterThread(ctx, self._queue, self._handles, self._stats, self.budget, manifest,
-                                    autoflush_s=autoflush_s, merge_on_close=merge_on_close,
-                                    max_open_files=self.max_open_files)
+                                    autoflush_s=autoflush_s, merge_on_close=merge_on_close)
         self._thread.start()
         # Close at interpreter exit (atexit runs while daemon threads still run), weakly.
         self._atexit = weak_closer(self)  # errors: reported through the manifest
@@ -371,7 +377,7 @@ class RunWriter:
                 peak_buffer_bytes=self._stats.peak_buffer_bytes,
                 max_buffer_bytes=self.max_buffer_bytes,
                 blocked_seconds=self._stats.blocked_seconds,
-                rotated_segments=self._stats.rotated_segments,
+                parked_files=self._stats.parked_files,
                 error=str(err) if err else None,
             )
 

@@ -41,12 +41,11 @@ class WriterThread:
         autoflush_s: seal open parts when this many seconds passed since the last flush (None:
             never).
         merge_on_close: merge each handle's parts into ``<key>.h5`` at close.
-        max_open_files: most parts open at once.
     """
 
     def __init__(self, ctx: WriterContext, queue: WriteQueue, handles: dict[str, WriterHandle],
                  stats: WriterStats, budget: Budget, manifest: ManifestWriter, *,
-                 autoflush_s: float | None, merge_on_close: bool, max_open_files: int) -> None:
+                 autoflush_s: float | None, merge_on_close: bool) -> None:
         self.ctx = ctx
         self.queue = queue
         self._handles = handles
@@ -54,7 +53,7 @@ class WriterThread:
         self.manifest = manifest
         self.autoflush_s = autoflush_s
         self.merge_on_close = merge_on_close
-        self.parts = OpenParts(ctx, max_open_files, stats)
+        self.parts = OpenParts(ctx, stats)
         self.compactor = Compactor(ctx, self.handles)
         self._last_flush = time.monotonic()
         self.thread = threading.Thread(target=self._run, name=f"hookline-writer[{ctx.run_dir.name}]", daemon=True)
