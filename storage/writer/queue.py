@@ -32,13 +32,16 @@ ALIVE_CHECK_S = 0.5
 
 @dataclass(eq=False, slots=True)
 class Record:
-    """A block of ``len(steps)`` records of one handle (arrays ``(k, *record_shape)``)."""
+    """A block of ``len(steps)`` records (arrays ``(k, *record_shape)``) of one handle, or of
+    several: record ``j`` belongs to ``rows[j]`` when ``rows`` is given (``handle`` is then the
+    first of them)."""
 
     handle: WriterHandle
     steps: list[int]
     calls: list[int]
     fields: dict[str, tuple[np.ndarray, str]]
     nbytes: int
+    rows: list[WriterHandle] | None = None
 
 
 @dataclass(eq=False, slots=True)
@@ -131,7 +134,11 @@ class WriteQueue:
                                         f"the record was not queued")
             if self.pending and self.pending + nbytes > self._max_bytes:
                 if self._policy == "drop":
-                    h.stats.dropped += n
+                    if rec.rows is None:
+                        h.stats.dropped += n
+                    else:
+                        for r in rec.rows:
+                            r.stats.dropped += 1
                     if not self._wake_sent:  # the budget is full: the writer must drain now
                         self._wake_sent = True
                         self._urgent += 1
@@ -141,8 +148,14 @@ class WriteQueue:
             self.pending += nbytes
             if self.pending > self._stats.peak_buffer_bytes:
                 self._stats.peak_buffer_bytes = self.pending
-            h.stats.records += n
-            h.stats.bytes += nbytes
+            if rec.rows is None:
+                h.stats.records += n
+                h.stats.bytes += nbytes
+            else:
+                per = nbytes // n
+                for r in rec.rows:
+                    r.stats.records += 1
+                    r.stats.bytes += per
             if not self._items:
                 self._since = time.monotonic()
             self._items.append(rec)

@@ -283,11 +283,56 @@ class RunWriter:
             is not ``k``.
         """
         h = self._open_handle(handle_id)
+        steps, calls = self._block_steps(handle_id, steps, calls)
+        return self._put(h, steps, calls, fields, len(steps))
+
+    def write_rows(self, handle_ids: Any, steps: Any, calls: Any, fields: Mapping[str, FieldValue]) -> bool:
+        """Queue ``k`` records of several handles with the same fields at once: record ``j``
+        belongs to ``handle_ids[j]`` (one queue entry, one validation of the arrays).
+
+        Each handle's records are numbered in block order, exactly as :meth:`write` calls in that
+        order would number them. A recorder with more hooked handles than its open blocks hold
+        chunks for packs their records into such blocks (docs/capture.md).
+
+        Args:
+            handle_ids: ``k`` declared handle ids (repeats allowed).
+            steps, calls: ``k`` non-negative ints each.
+            fields: field name -> array of shape ``(k, *record_shape)`` (or raw bits); every
+                handle must accept these fields (dtype and ndim as its earlier records).
+
+        Returns:
+            True if queued; False if policy ``"drop"`` dropped the block (each record counted for
+            its handle).
+
+        Raises:
+            Same as :meth:`write_block`; nothing is queued or registered when any handle refuses.
+        """
+        if not isinstance(handle_ids, (list, tuple)) or not handle_ids:
+            raise InvalidArgumentError(f"write_rows: handle_ids must be a non-empty list of handle ids, "
+                                       f"got {handle_ids!r:.80}")
+        k = len(handle_ids)
+        hs = {hid: self._open_handle(hid) for hid in dict.fromkeys(handle_ids)}
+        steps, calls = self._block_steps(handle_ids[0], steps, calls)
+        if len(steps) != k:
+            raise InvalidArgumentError(f"write_rows: {k} handle ids but {len(steps)} steps; give one per record")
+        first, *others = hs.values()
+        checked, new, nbytes = checked_fields(first, fields, k)
+        news = [(first, new)]
+        for h in others:  # the arrays were checked once; each handle checks its field registry
+            news.append((h, [NewField(n, dn, a.ndim - 1) for n, (a, dn) in checked.items()
+                             if h.check_field(n, dn, a.shape[1:])]))
+        for h, new in news:
+            h.register_fields(new, self._queue.cond)
+        rows = [hs[hid] for hid in handle_ids]
+        return self._queue.put_record(Record(first, steps, calls, checked, nbytes, rows), self._thread.is_alive)
+
+    def _block_steps(self, handle_id: str, steps: Any, calls: Any) -> tuple[list[int], list[int]]:
+        """A block's steps and calls as checked lists of ints (copies)."""
         if type(steps) is list and type(calls) is list and len(steps) == len(calls) and steps:
             # The recorder's case, checked in Python: numpy's checks of a few ints cost ~50 us.
             if all(type(v) is int for v in steps) and all(type(v) is int for v in calls):
                 check_steps(handle_id, steps, calls)
-                return self._put(h, steps[:], calls[:], fields, len(steps))  # copies: the caller keeps its lists
+                return steps[:], calls[:]  # copies: the caller keeps its lists
         st = np.asarray(steps)
         ca = np.asarray(calls)
         if st.size == 0 and ca.size == 0:
@@ -296,9 +341,9 @@ class RunWriter:
             raise InvalidArgumentError(
                 f"write_block({handle_id!r}): steps and calls must be 1-D integer sequences of the same "
                 f"length, got steps {st.dtype} {st.shape} and calls {ca.dtype} {ca.shape}")
-        steps, calls = st.tolist(), ca.tolist()
-        check_steps(handle_id, steps, calls)
-        return self._put(h, steps, calls, fields, len(st))
+        out_steps, out_calls = st.tolist(), ca.tolist()
+        check_steps(handle_id, out_steps, out_calls)
+        return out_steps, out_calls
 
     def reserve_fields(self, handle_id: str, fields: Mapping[str, tuple[str, tuple[int, ...]]]) -> None:
         """Check that records with these fields would be accepted, before any is queued.
