@@ -167,6 +167,25 @@ class WriteQueue:
                 self.cond.notify_all()
         return True
 
+    def make_room(self, h: WriterHandle, nbytes: int, alive: Callable[[], bool]) -> bool:
+        """Before a caller builds a block of ``nbytes`` (that it would then hold while waiting):
+        policy ``"block"`` waits until it would be accepted at once; ``"drop"`` counts one
+        dropped record of ``h`` and returns False when it would not.
+
+        Raises:
+            StorageError, WriterClosedError: as :meth:`put_record`.
+        """
+        with self.cond:
+            if self.error is not None:
+                raise self.error
+            if not (self.pending and self.pending + nbytes > self._max_bytes):
+                return True
+            if self._policy == "drop":
+                h.stats.dropped += 1
+                return False
+            self._wait_for_room(nbytes, alive)
+            return True
+
     def _wait_for_room(self, nbytes: int, alive: Callable[[], bool]) -> None:
         """Policy ``"block"``: wait (holding :attr:`cond`) until ``nbytes`` fit in the budget."""
         t0 = time.monotonic()

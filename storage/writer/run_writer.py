@@ -326,6 +326,22 @@ class RunWriter:
         rows = [hs[hid] for hid in handle_ids]
         return self._queue.put_record(Record(first, steps, calls, checked, nbytes, rows), self._thread.is_alive)
 
+    def make_room(self, handle_id: str, nbytes: int) -> bool:
+        """Make room for a block of ``nbytes`` before building it: a recorder calls this before
+        it copies a record bigger than its open-block share, so it never holds one such record
+        in a new block while the writer still holds the previous one (SPEC §8).
+
+        Returns:
+            True when a block of ``nbytes`` would now be queued without waiting (policy
+            ``"block"`` waits for that); False when policy ``"drop"`` would drop it: one record
+            of ``handle_id`` is then counted as dropped.
+
+        Raises:
+            Same as :meth:`write`.
+        """
+        h = self._open_handle(handle_id)
+        return self._queue.make_room(h, int(nbytes), self._thread.is_alive)
+
     def _block_steps(self, handle_id: str, steps: Any, calls: Any) -> tuple[list[int], list[int]]:
         """A block's steps and calls as checked lists of ints (copies)."""
         if type(steps) is list and type(calls) is list and len(steps) == len(calls) and steps:

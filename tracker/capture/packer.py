@@ -108,6 +108,10 @@ class BlockPacker:
             fields) -> bool``: enables shared blocks (records of many handles with one layout in
             one block, when a handle's share of the open-block budget holds less than a chunk).
             Without it such handles get blocks as small as their share.
+        make_room: ``RunWriter.make_room``-compatible callable ``(handle_id, nbytes) -> bool``,
+            called before a block bigger than ``max_open_bytes`` (one big record) is filled, so
+            the writer has finished the previous one first: memory holds one such record, not
+            two. False: the writer counted the record as dropped (policy ``"drop"``).
     """
 
     def __init__(
@@ -121,9 +125,11 @@ class BlockPacker:
         block_bytes: int = BLOCK_BYTES,
         check_fields: Callable[[str, dict[str, tuple[str, tuple[int, ...]]]], None] | None = None,
         write_rows: Callable[[list[str], list[int], list[int], dict[str, Any]], bool] | None = None,
+        make_room: Callable[[str, int], bool] | None = None,
     ) -> None:
         self._write_block = write_block
         self._write_rows = write_rows
+        self._make_room = make_room
         self._check_fields = check_fields
         self._closed = False
         self.block_bytes = block_bytes
@@ -195,6 +201,8 @@ class BlockPacker:
                 self._changes[handle_id] = self._changes.get(handle_id, 0) + 1
                 self._hand_over(handle_id)
             blk = self._new_block(handle_id, names, tensors, cast, stats)
+            if blk is None:
+                return  # dropped by the writer's policy before it was copied (counted there)
         i = blk.n
         for rows, t in zip(blk.rows, tensors):
             rows[i].copy_(t, non_blocking=blk.cuda)
@@ -213,7 +221,7 @@ class BlockPacker:
             self._poll()
 
     def _new_block(self, handle_id: str, names: list[str], tensors: list[torch.Tensor],
-                   cast: torch.dtype | None, stats: bool) -> _Block:
+                   cast: torch.dtype | None, stats: bool) -> _Block | None:
         srcs = [(t.shape, t.dtype, t.is_cuda) for t in tensors]  # what _Block.matches compares
         cuda = any(c for _, _, c in srcs)
         dtypes = [cast if cast is not None and t.is_floating_point() else t.dtype for t in tensors]
@@ -234,6 +242,10 @@ class BlockPacker:
             if cap == 0:
                 return self._join_shared(handle_id, (tuple(names), tuple(srcs), cast, stats), tensors,
                                          dtypes, max(1, record_bytes))
+        nbytes = cap * record_bytes
+        if nbytes > self.max_open_bytes and self._make_room is not None:
+            if not self._make_room(handle_id, nbytes):
+                return None
         return self._open_block(handle_id, _Block(list(names), srcs, self._buffers(cap, tensors, dtypes, cuda),
                                                   cap, cuda, stats))
 
