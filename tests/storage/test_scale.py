@@ -87,22 +87,29 @@ def test_a_thousand_handles_under_an_open_file_limit_of_1024(tmp_path):
     assert files == sorted(["manifest.json"] + [f"{kind}/{i}.h5" for kind in ("outputs", "grads")
                                                  for i in range(500)])
     model = _chain(500)
+    want = []  # every module's output at every step: what the model computes
+    with torch.no_grad():
+        for s in range(10):
+            x = torch.full((16, 64), 0.01 * s)
+            outs = []
+            for lin in model:
+                x = lin(x)
+                outs.append(x.numpy())
+            want.append(outs)
     with open_run(d) as run:
         assert len(run.handles) == 1000
-        for s in (0, 9):  # outputs of every module at two steps: what the model computes
-            x = torch.full((16, 64), 0.01 * s)
-            with torch.no_grad():
-                for i, lin in enumerate(model):
-                    x = lin(x)
-                    np.testing.assert_array_equal(run[f"outputs[{i}]"]["outputs.0"][s], x.numpy())
-        for i in range(500):  # every record of every handle: steps, and the chain rule between grads
+        grad_in_next = None
+        for i in reversed(range(500)):  # every record of every handle, each field read once
             out = run[f"outputs[{i}]"]["outputs.0"]
-            assert list(out.steps) == list(range(10)) and out.read().shape == (10, 16, 64)
+            assert list(out.steps) == list(range(10))
+            got = out.read()
+            np.testing.assert_array_equal(got, np.stack([want[s][i] for s in range(10)]))
+            np.testing.assert_allclose(out.norms(), np.linalg.norm(got.reshape(10, -1), axis=1), rtol=1e-5)
             g = run[f"grads[{i}]"]
             assert list(g.steps) == list(range(10))
-            if i < 499:  # the gradient of module i's output is that of module i+1's input
-                np.testing.assert_array_equal(g["grad_out.0"].read(), run[f"grads[{i + 1}]"]["grad_in.0"].read())
-            np.testing.assert_allclose(out.norms(), np.linalg.norm(out.read().reshape(10, -1), axis=1), rtol=1e-5)
+            if grad_in_next is not None:  # the gradient of module i's output is that of module i+1's input
+                np.testing.assert_array_equal(g["grad_out.0"].read(), grad_in_next)
+            grad_in_next = g["grad_in.0"].read() if i else None
 
 
 @pytest.mark.slow

@@ -146,6 +146,9 @@ class BlockPacker:
         self._oldest: float | None = None
         self._changes: dict[str, int] = {}
         self._checked: dict[str, tuple] = {}  # handle -> the record layout check_fields accepted last
+        # Handles of shared blocks: their layout, and each layout's (storage dtypes, record bytes).
+        self._member_of: dict[str, tuple] = {}
+        self._shared_spec: dict[tuple, tuple[list[torch.dtype], int]] = {}
         self._last_sig: dict[str, tuple[Any, int]] = {}  # ragged handles: last signature, repeats
         # Blocks handed over but waiting for device copies (or behind such a block: order kept).
         self._pending: deque[tuple[str, _Block]] = deque()
@@ -190,6 +193,8 @@ class BlockPacker:
             raise WriterClosedError(
                 f"{handle_id} fired while its recorder was closing; the record was not taken")
         blk = self._open.get(handle_id)
+        if blk is None and handle_id in self._member_of:
+            blk = self._rejoin(handle_id, names, tensors, cast, stats)
         if blk is None or not blk.matches(names, tensors):
             sig = (tuple(names), tuple((t.shape, t.dtype, t.is_cuda) for t in tensors), cast, stats)
             # Before anything changes (refused means untouched); once per layout of a handle, not
@@ -226,6 +231,7 @@ class BlockPacker:
         cuda = any(c for _, _, c in srcs)
         dtypes = [cast if cast is not None and t.is_floating_point() else t.dtype for t in tensors]
         record_bytes = sum(t.numel() * dt.itemsize for t, dt in zip(tensors, dtypes))
+        self._member_of.pop(handle_id, None)  # (joining a shared block sets it again)
         if self._changes.get(handle_id, 0) >= RAGGED_AFTER:
             cap = 1
             # Ragged handles whose shape settles (one short last batch per epoch made them
@@ -263,6 +269,31 @@ class BlockPacker:
             self.hand_over_all(keep=handle_id)
         return blk
 
+    def _rejoin(self, handle_id: str, names: list[str], tensors: list[torch.Tensor], cast: torch.dtype | None,
+                stats: bool) -> _Block | None:
+        """The shared block for a record of a handle whose last records went to shared blocks,
+        if the record has their layout (the hot path of many handles: a shared block fills with
+        records of hundreds of handles, so each starts a new block every record or two)."""
+        sig = self._member_of[handle_id]
+        if sig[2] != cast or sig[3] != stats:
+            return None
+        blk = self._shared.get(sig)
+        if blk is None:
+            if not self._matches_sig(sig, names, tensors):
+                return None
+            return self._join_shared(handle_id, sig, tensors, *self._shared_spec[sig])
+        if not blk.matches(names, tensors):
+            return None
+        blk.members.add(handle_id)
+        self._open[handle_id] = blk
+        return blk
+
+    @staticmethod
+    def _matches_sig(sig: tuple, names: list[str], tensors: list[torch.Tensor]) -> bool:
+        if tuple(names) != sig[0] or len(tensors) != len(sig[1]):
+            return False
+        return all(t.shape == shape and t.dtype == dt and t.is_cuda == c for t, (shape, dt, c) in zip(tensors, sig[1]))
+
     def _join_shared(self, handle_id: str, sig: tuple, tensors: list[torch.Tensor], dtypes: list[torch.dtype],
                      record_bytes: int) -> _Block:
         """The shared block of layout ``sig`` (opened if none is), as ``handle_id``'s open block.
@@ -271,6 +302,8 @@ class BlockPacker:
         more handles than the open-block budget has chunks for, records of every handle with the
         same layout share blocks instead, so a record costs the same whatever the number of
         handles (the writer sorts the records into their handles' files)."""
+        self._member_of[handle_id] = sig
+        self._shared_spec.setdefault(sig, (dtypes, record_bytes))
         blk = self._shared.get(sig)
         if blk is not None:
             blk.members.add(handle_id)
