@@ -183,14 +183,25 @@ class WriterThread:
             return
         groups: dict[WriterHandle, list[int]] = {}
         for i, h in enumerate(msg.rows):
-            groups.setdefault(h, []).append(i)
+            g = groups.get(h)
+            if g is None:
+                groups[h] = [i]
+            else:
+                g.append(i)
         if len(groups) == 1:
             self._stage_one(msg.handle, msg.steps, msg.calls, fields, msg.nbytes)
             return
         per = msg.nbytes // len(msg.rows)
         steps, calls = msg.steps, msg.calls
+        items = list(fields.items())
         for h, idx in groups.items():
-            sub = {name: (arr[idx], dn) for name, (arr, dn) in fields.items()}  # (copies)
+            part = h.part
+            if part is not None and part.take_rows(items, idx, steps, calls):
+                h.next_record += len(idx)
+                h.note_steps([steps[i] for i in idx])
+                h.written_bytes += per * len(idx)
+                continue
+            sub = {name: (arr[idx], dn) for name, (arr, dn) in items}  # (copies)
             self._stage_one(h, [steps[i] for i in idx], [calls[i] for i in idx], sub, per * len(idx))
 
     def _stage_one(self, h: WriterHandle, steps: list[int], calls: list[int],
