@@ -98,6 +98,7 @@ class WriteQueue:
         self.cond = threading.Condition()
         self._items: deque[Message] = deque()
         self._max_bytes = budget.bytes if max_bytes is None else max_bytes
+        self._floor = min(self._max_bytes, budget.bytes // 2)  # what charge() always leaves
         self._wake_bytes = budget.wake_bytes
         self._policy = policy
         self._stats = stats
@@ -203,6 +204,12 @@ class WriteQueue:
             self._stats.blocked_seconds += time.monotonic() - t0
         if self.closing:
             raise WriterClosedError(f"RunWriter for {self._where!r} was closed while write() waited")
+
+    def charge(self, nbytes: int) -> None:
+        """Take ``nbytes`` of memory held elsewhere (per-handle state) out of what the queue and
+        staging may hold, leaving at least half the budget."""
+        with self.cond:
+            self._max_bytes = max(self._floor, self._max_bytes - nbytes)
 
     def put_urgent(self, msg: NewHandle | Control) -> None:
         """Queue a message the writer thread takes at once."""

@@ -210,6 +210,7 @@ class RunWriter:
             h.adopt_fields(previous.get(handle_id, {}).get("fields", {}))
             self._handles[handle_id] = h
             self._stats.handles[handle_id] = h.stats
+            self._queue.charge(Budget.HANDLE_BYTES)  # its state is memory too (SPEC §8)
             self._queue.put_urgent(NewHandle(h))
 
     def update_handle_meta(self, handle_id: str, meta: Mapping[str, Any]) -> None:
