@@ -135,8 +135,8 @@ class HandleFileWriter:
 
     Args:
         path: file to create (truncated).
-        attrs: root attributes (see docs/format.md), written now; ``records``, ``record_start``
-            and ``fields`` are set by :meth:`finish`.
+        attrs: root attributes (see docs/format.md), written by :meth:`finish` with
+            ``records``, ``record_start`` and ``fields``.
         record_start: global record number of this file's first record.
         writeback: a :class:`Writeback` shared with the writer's other open files, or a byte
             count for one of this file's own; 0 or None leaves writeback to the kernel.
@@ -150,13 +150,6 @@ class HandleFileWriter:
         self.writeback = writeback if isinstance(writeback, Writeback) else Writeback(writeback)
         self.attrs = attrs
         self.record_start = record_start
-        # The root attributes that do not depend on the records, now: finish() (at a flush or
-        # close, for every handle at once) then has only the counts left to write.
-        a = self.f.attrs
-        for k, v in attrs.items():
-            a[k] = v
-        a["hookline_format"] = FILE_FORMAT
-        a["format_version"] = np.int64(FORMAT_VERSION)
         self.steps: list[np.ndarray] = []
         self.calls: list[np.ndarray] = []
         self.n_records = 0
@@ -219,6 +212,10 @@ class HandleFileWriter:
         for out in self.fields.values():
             _write_field_index(idx, out)
         a = f.attrs
+        for k, v in self.attrs.items():
+            a[k] = v
+        a["hookline_format"] = FILE_FORMAT
+        a["format_version"] = np.int64(FORMAT_VERSION)
         a["record_start"] = np.int64(self.record_start)
         a["records"] = np.int64(n)
         a["fields"] = json.dumps(list(self.fields))

@@ -87,7 +87,8 @@ CHILD = textwrap.dedent("""
     t = time.perf_counter()
     summary = rec.close()
     close_s = time.perf_counter() - t
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    with open("/proc/self/status") as f:  # (ru_maxrss would keep the forking parent's)
+        peak = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
     run = os.path.join(where, "run")
     disk = files = 0
     for root, _, names in os.walk(run):

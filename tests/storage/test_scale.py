@@ -27,8 +27,9 @@ import resource
 def rss_now():
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * resource.getpagesize()
-def rss_peak():
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+def rss_peak():  # this process's high-water mark (ru_maxrss would keep the forking parent's)
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
 """
 
 
