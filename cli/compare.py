@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import click
 
@@ -17,6 +17,7 @@ from .options import (
     fmt_num,
     json_option,
     open_run_arg,
+    output_path,
     progress_bar,
     quiet_option,
     safe_text,
@@ -189,7 +190,8 @@ def compare(run_a: str, run_b: str, handles: tuple[str, ...], fields: tuple[str,
       hookline compare runs:/0a1b... runs:/9f8e... --metric cosine --json
       hookline compare runs/ddp runs/ddp --rank-a 0 --rank-b 1
     """
-    from hookline.storage.compare import CompareResult, count_pairs, iter_compare
+    from hookline.storage.compare import CompareResult, count_pairs, iter_compare, plan as plan_items
+    from hookline.storage.words import plural
 
     ms = tuple(dict.fromkeys(metrics)) or METRIC_CHOICES
     if plot:
@@ -204,6 +206,7 @@ def compare(run_a: str, run_b: str, handles: tuple[str, ...], fields: tuple[str,
                 f"--rank-b apply to runs recorded under torch.distributed")
     hsel = list(handles) or None
     fsel = list(fields) or None
+    _require_common(plan_items(ra, rb, handles=hsel, fields=fsel), ra, rb, fsel is not None)
     total = count_pairs(ra, rb, handles=hsel, fields=fsel)
     with progress_bar("comparing", total, quiet=quiet or as_json) as advance:
         results = list(iter_compare(ra, rb, handles=hsel, fields=fsel, metrics=ms, progress=advance,
@@ -219,7 +222,7 @@ def compare(run_a: str, run_b: str, handles: tuple[str, ...], fields: tuple[str,
         plot_comparison(results, plot, metrics=ms, label_a=run_a, label_b=run_b, max_panels=MAX_PANELS)
         plotted = {r.handle for r in results if r.status == "ok" and len(r.steps)}
         if len(plotted) > MAX_PANELS:
-            click.echo(f"warning: the plot shows the first {MAX_PANELS} of {len(plotted)} handles; "
+            click.echo(f"warning: the plot shows the first {MAX_PANELS} of {plural(len(plotted), 'handle')}; "
                        f"select fewer with --handle", err=True)
     if as_json:
         d = res.to_dict()
@@ -229,18 +232,33 @@ def compare(run_a: str, run_b: str, handles: tuple[str, ...], fields: tuple[str,
         click.echo(f"plot written to {safe_text(plot)}")
 
 
+class NothingCompared(click.ClickException):
+    """The two runs (as selected) have no handle or field in common: exit status 1, one line."""
+
+
+def _require_common(items: list[tuple[str, str | None, str]], ra: Any, rb: Any, by_field: bool) -> None:
+    """Refuse a comparison in which every selected handle (or field) exists in one run only: it
+    would be a table of "missing" rows that compares nothing."""
+    if any(where not in ("a", "b") for _h, _f, where in items):
+        return
+    from hookline.storage.words import plural
+
+    what = "field" if by_field else "handle"
+
+    def names(run: Any) -> str:
+        hs = list(run.handles)
+        return plural(len(hs), "handle") + (f" ({', '.join(hs[:3])}{', ...' if len(hs) > 3 else ''})" if hs else "")
+
+    raise NothingCompared(f"nothing compared: the runs have no {what} in common (A has {names(ra)}, "
+                          f"B has {names(rb)}); compare runs that recorded the same modules")
+
+
 def _plot_path(plot: str) -> str:
     """The file the plot goes to (``.png`` added when PLOT has no extension, as matplotlib does),
     after checking that its folder can be written."""
-    import os
     from pathlib import Path
 
     p = Path(plot)
     if not p.suffix:
         p = p.with_name(p.name + ".png")
-    folder = p.parent if str(p.parent) else Path(".")
-    if not folder.is_dir():
-        raise click.UsageError(f"--plot {plot!r}: folder {str(folder)!r} does not exist")
-    if not os.access(folder, os.W_OK) or (p.exists() and not os.access(p, os.W_OK)):
-        raise click.UsageError(f"--plot {plot!r}: {str(p)!r} cannot be written (permission denied)")
-    return str(p)
+    return str(output_path(p, "--plot"))

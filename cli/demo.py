@@ -9,7 +9,23 @@ from typing import Any
 
 import click
 
-from .options import CONTEXT_SETTINGS, console, esc, human_bytes, progress_bar, quiet_mlflow_logs, quiet_option
+from .options import (
+    CONTEXT_SETTINGS,
+    console,
+    esc,
+    human_bytes,
+    output_path,
+    progress_bar,
+    quiet_mlflow_logs,
+    quiet_option,
+)
+
+#: How long the demo takes, as every text says it (``demo --help``, docs/quickstart.md; checked by
+#: tests/cli/test_rough_edges.py). Measured on a busy 2-core machine: 10.8-35 s with MLflow's
+#: sqlite store (most of it importing MLflow and creating the store), 9.8-15 s without.
+RUN_TIME = "10-40 seconds"
+#: The same with ``--no-mlflow``.
+RUN_TIME_NO_MLFLOW = "10-20 seconds"
 
 EXPERIMENT = "hookline-demo"
 DEMO_TAG = "hookline.demo"
@@ -18,6 +34,7 @@ SETTINGS = (("A", 0.01), ("B", 0.1))
 
 
 def _new_session_dir(out: Path) -> Path:
+    """A new timestamped folder inside ``out`` (created, with ``out`` itself if need be)."""
     stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     base = out / stamp
     d, k = base, 1
@@ -123,11 +140,63 @@ def _log_run_extras(client: Any, run_id: str, lr: float, losses: list[float], st
         client.log_batch(run_id, metrics=metrics[k:k + 900])
 
 
+def _finish_run(client: Any, run_id: str) -> None:
+    """Mark the run finished. (MLflow prints "View run ... at: URL" lines on stdout when a run on a
+    tracking server ends; the demo prints its own MLflow section with the links instead.)"""
+    import contextlib
+    import io
+
+    with contextlib.redirect_stdout(io.StringIO()):
+        client.set_terminated(run_id, "FINISHED")
+
+
+def _run_link(tracking_uri: str | None, exp_id: str | None, run_id: str) -> str:
+    """The run's page in the MLflow UI of an HTTP tracking server ('' for other stores)."""
+    if not tracking_uri or not tracking_uri.startswith(("http://", "https://")):
+        return ""
+    import urllib.parse
+
+    parts = urllib.parse.urlsplit(tracking_uri)
+    host = parts.hostname or ""
+    netloc = (f"[{host}]" if ":" in host else host) + (f":{parts.port}" if parts.port else "")  # (no credentials)
+    base = urllib.parse.urlunsplit((parts.scheme, netloc, parts.path.rstrip("/"), "", ""))
+    return f"{base}/#/experiments/{exp_id}/runs/{run_id}"
+
+
+def _unavailable_note(e: BaseException) -> str:
+    """The demo's warning when MLflow cannot be used: no MLflow run exists then, so it says how to
+    get one instead of promising an upload into it."""
+    reason = " ".join(str(e).split())
+    reason = reason.split("; recorded files stay on disk")[0][:300]  # (that hint is for a recorder with a run)
+    return (f"MLflow unavailable ({reason}); recording locally only, no MLflow run is created. To log the "
+            "demo to MLflow, start the tracking server (or fix --tracking-uri) and run the demo again; to "
+            "upload a run directory into a run you create, use `hookline sync RUN_DIR --run-id ID`")
+
+
 def _search_filter(session: str) -> str:
     return f"tags.`{DEMO_TAG}` = '{session}'"
 
 
-@click.command(context_settings=CONTEXT_SETTINGS, short_help='Train a toy model twice, record, log to MLflow, compare, plot.')
+HELP = f"""Train a small model twice, record activations and gradients, compare the runs.
+
+    Trains a 3-layer MLP on synthetic data on the CPU twice, identical except for the learning
+    rate (A: 0.01, B: 0.1), recording the outputs and gradients of its Linear layers every
+    --every steps with hookline's Recorder. Both runs are logged to MLflow (experiment
+    "hookline-demo"). Then prints where the data is, the MLflow search filter that finds the
+    runs, the per-layer gradient comparison, and writes compare.png. Takes {RUN_TIME} on a
+    laptop-class CPU ({RUN_TIME_NO_MLFLOW} with --no-mlflow); re-running creates new runs and never
+    overwrites old ones. The folder holding --out DIR must exist (the default runs/demo is created).
+
+    \b
+    Example:
+      hookline demo
+      hookline demo --out /tmp/demo --tracking-uri http://127.0.0.1:5000
+      hookline demo --no-mlflow --steps 50
+    """
+
+
+@click.command(context_settings=CONTEXT_SETTINGS, help=HELP,
+               short_help='Train a toy model twice, record, log to MLflow, compare, plot.')
 @click.option("--out", "out", type=click.Path(file_okay=False), default="runs/demo", show_default=True,
               help="Parent directory; each demo writes a new timestamped folder inside it.")
 @click.option("--tracking-uri", metavar="URI", default=None,
@@ -137,25 +206,14 @@ def _search_filter(session: str) -> str:
               help="Training steps per run.")
 @click.option("--every", "every", type=click.IntRange(min=1), default=10, show_default=True,
               help="Record every N-th step.")
-@click.option("--no-mlflow", is_flag=True, help="Do not log to MLflow (local run directories only).")
+@click.option("--no-mlflow", is_flag=True,
+              help=f"Do not log to MLflow (local run directories only; takes {RUN_TIME_NO_MLFLOW}).")
 @quiet_option
 def demo(out: str, tracking_uri: str | None, steps: int, every: int, no_mlflow: bool, quiet: bool) -> None:
-    """Train a small model twice, record activations and gradients, compare the runs.
-
-    Trains a 3-layer MLP on synthetic data on the CPU twice, identical except for the learning
-    rate (A: 0.01, B: 0.1), recording the outputs and gradients of its Linear layers every
-    --every steps with hookline's Recorder. Both runs are logged to MLflow (experiment
-    "hookline-demo"). Then prints where the data is, the MLflow search filter that finds the
-    runs, the per-layer gradient comparison, and writes compare.png. Takes a few seconds;
-    re-running creates new runs and never overwrites old ones.
-
-    \b
-    Example:
-      hookline demo
-      hookline demo --out /tmp/demo --tracking-uri http://127.0.0.1:5000
-      hookline demo --no-mlflow --steps 50
-    """
+    # (the help is HELP: it quotes RUN_TIME)
     c = console()
+    if click.get_current_context().get_parameter_source("out") != click.core.ParameterSource.DEFAULT:
+        output_path(out, "--out")  # (the one rule for paths hookline writes; the default is created)
     session_dir = _new_session_dir(Path(out))
     client = exp_id = resolved_uri = None
     mlflow_note: str | None = None
@@ -163,7 +221,7 @@ def demo(out: str, tracking_uri: str | None, steps: int, every: int, no_mlflow: 
         try:
             client, exp_id, resolved_uri = _mlflow_setup(tracking_uri)
         except Exception as e:  # noqa: BLE001 - the demo still runs without MLflow
-            mlflow_note = f"MLflow unavailable ({' '.join(str(e).split())[:300]}); recording locally only"
+            mlflow_note = _unavailable_note(e)
             client = None
     c.print(f"hookline demo: training an MLP (16-64-64-1) twice on synthetic data, {steps} steps each, "
             f"recording outputs and gradients of {', '.join(LAYERS)} every {every} steps", soft_wrap=True)
@@ -195,15 +253,18 @@ def _train_both(session_dir: Path, client: Any, exp_id: str | None, tracking_uri
             if client is not None and run_id is not None:
                 try:
                     _log_run_extras(client, run_id, lr, losses, steps, every)
-                    client.set_terminated(run_id, "FINISHED")
+                    _finish_run(client, run_id)
                 except Exception as e:  # noqa: BLE001
                     err = err or " ".join(str(e).split())
-            runs.append({"label": label, "lr": lr, "dir": run_dir, "run_id": run_id, "losses": losses,
+            runs.append({"label": label, "lr": lr, "dir": run_dir, "run_id": run_id, "experiment_id": exp_id,
+                         "losses": losses,
                          "summary": summary, "error": err})
     return runs
 
 
 def _print_data(c: Any, runs: list[dict[str, Any]], elapsed: float) -> None:
+    from hookline.storage.words import plural
+
     c.print(f"\n[bold]Data[/] (trained and recorded in {elapsed:.1f} s):", soft_wrap=True)
     for r in runs:
         s = r["summary"]
@@ -211,7 +272,8 @@ def _print_data(c: Any, runs: list[dict[str, Any]], elapsed: float) -> None:
         size = human_bytes(sum(p.stat().st_size for p in Path(r["dir"]).rglob("*") if p.is_file()))
         nh = len(getattr(s, "handles", {}) or {}) if s is not None else "?"
         c.print(f"  run {r['label']} (lr={r['lr']}, final loss {r['losses'][-1]:.4f}): {r['dir']}  "
-                f"[{nh} handles, {size}]", soft_wrap=True, highlight=False, markup=False)
+                f"[{plural(nh, 'handle') if isinstance(nh, int) else '? handles'}, {size}]", soft_wrap=True,
+                highlight=False, markup=False)
 
 
 def _print_mlflow(c: Any, runs: list[dict[str, Any]], resolved_uri: str | None, session: str,
@@ -219,6 +281,9 @@ def _print_mlflow(c: Any, runs: list[dict[str, Any]], resolved_uri: str | None, 
     c.print(f"\n[bold]MLflow[/]: tracking URI {esc(resolved_uri)}, experiment \"{EXPERIMENT}\"", soft_wrap=True)
     for r in runs:
         line = f"  run {r['label']}: run id {r['run_id']}"
+        link = _run_link(resolved_uri, r.get("experiment_id"), r["run_id"])
+        if link:
+            line += f"  {esc(link)}"
         if r["error"]:
             line += (f"  [yellow]upload failed: {esc(r['error'][:200])}[/]; local data are complete, "
                      f"upload later: hookline sync {esc(r['dir'])} --run-id {r['run_id']}")

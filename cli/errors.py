@@ -88,8 +88,15 @@ class OneLineUsageError(click.ClickException):
     exit_code = 2
 
     @classmethod
-    def of(cls, e: click.UsageError) -> OneLineUsageError:
-        path = e.ctx.command_path if e.ctx is not None else "hookline"
+    def of(cls, e: click.UsageError, group_ctx: click.Context | None = None) -> OneLineUsageError:
+        """The one-line error for ``e``; ``group_ctx`` (the group's context) names the command
+        when click raised ``e`` without one (e.g. ``Option '--plot' requires an argument``)."""
+        if e.ctx is not None:
+            path = e.ctx.command_path
+        elif group_ctx is not None and group_ctx.invoked_subcommand:
+            path = f"{group_ctx.command_path} {group_ctx.invoked_subcommand}"
+        else:
+            path = group_ctx.command_path if group_ctx is not None else "hookline"
         return cls(f"{one_line(e.format_message())} (see '{path} --help')")
 
 
@@ -100,9 +107,9 @@ _HELP_ERRORS: tuple[type[BaseException], ...] = tuple(
 )
 
 
-def _usage(e: click.UsageError) -> click.ClickException:
+def _usage(e: click.UsageError, group_ctx: click.Context | None = None) -> click.ClickException:
     """The exception to raise for click's usage error ``e``."""
-    return e if isinstance(e, _HELP_ERRORS) else OneLineUsageError.of(e)
+    return e if isinstance(e, _HELP_ERRORS) else OneLineUsageError.of(e, group_ctx)
 
 
 class HooklineGroup(click.Group):
@@ -126,7 +133,7 @@ class HooklineGroup(click.Group):
         try:
             return super().invoke(ctx)
         except click.UsageError as e:  # a subcommand's arguments, or an unknown command
-            u = _usage(e)
+            u = _usage(e, ctx)
             if u is e:
                 raise
             raise u from e

@@ -13,6 +13,7 @@ import numpy as np
 from .options import (
     CONTEXT_SETTINGS,
     open_run_arg,
+    output_path,
     parse_steps,
     progress_bar,
     quiet_option,
@@ -53,8 +54,10 @@ def export(run: str, handle: str, field: str, fmt: str, out: str, steps_spec: st
       hookline export runs/baseline 'outputs[fc2]' outputs.0 --format csv --out o.csv --steps 0:100
       hookline export runs:/0a1b... 'grads[fc1]' grad_out.0 --format h5 --out g.h5 --steps 0,10,20
     """
+    from hookline.storage.words import plural
+
     mask_fn = parse_steps(steps_spec)
-    outp = Path(out)
+    outp = output_path(out, "--out")
     if outp.exists() and not force:
         raise click.ClickException(f"output {out!r} exists; pass --force to overwrite it")
     from hookline.storage.blocks import damage_note
@@ -93,7 +96,6 @@ def export(run: str, handle: str, field: str, fmt: str, out: str, steps_spec: st
         )
     if idx.size == 0:
         raise click.ClickException(f"{handle} {field} has no records to export")
-    outp.parent.mkdir(parents=True, exist_ok=True)
     tmp = outp.with_name(outp.name + ".partial")
     with progress_bar(f"exporting {field}", int(idx.size), quiet=quiet) as advance:
         try:
@@ -119,7 +121,7 @@ def export(run: str, handle: str, field: str, fmt: str, out: str, steps_spec: st
             w.writerow(["row", "step", "call"])
             for k, i in enumerate(idx):
                 w.writerow([k, int(steps[i]), int(calls[i])])
-    click.echo(safe_text(f"exported {idx.size} records of {handle} {field} to {out}"))
+    click.echo(safe_text(f"exported {plural(int(idx.size), 'record')} of {handle} {field} to {out}"))
 
 
 def _npy(f: Field, idx: np.ndarray, shape: tuple[int, ...], tmp: Path, advance: Callable[[int], None]) -> None:

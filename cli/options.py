@@ -79,6 +79,40 @@ def open_run_arg(run: str, tracking_uri: str | None = None) -> Any:
 
 
 # --------------------------------------------------------------------------------------------
+# paths hookline writes
+# --------------------------------------------------------------------------------------------
+def output_path(path: str | os.PathLike, option: str) -> Path:
+    """Check a path a command is asked to write (``export --out``, ``compare --plot``, ``demo
+    --out``): the one rule is that its folder must exist and be writable; hookline never creates
+    missing folders on its own (a typo would scatter files).
+
+    Args:
+        path: the path as given.
+        option: the option that named it, for the message (e.g. ``"--out"``).
+
+    Returns:
+        ``Path(path)``.
+
+    Raises:
+        click.UsageError: the folder is missing, not a folder, or not writable; the message quotes
+            the path and says how to fix it (``mkdir -p ...``).
+    """
+    import shlex
+
+    p = Path(path)
+    folder = p.parent if str(p.parent) else Path(".")
+    ctx = click.get_current_context(silent=True)
+    if not folder.is_dir():
+        what = "is not a folder" if folder.exists() else "does not exist"
+        fix = "choose another path" if folder.exists() else f"create it first (mkdir -p {shlex.quote(str(folder))})"
+        raise click.UsageError(f"{option} {str(path)!r}: folder {str(folder)!r} {what}; {fix}", ctx=ctx)
+    if not os.access(folder, os.W_OK | os.X_OK) or (p.exists() and not os.access(p, os.W_OK)):
+        raise click.UsageError(f"{option} {str(path)!r}: {str(p)!r} cannot be written (permission denied); "
+                               "choose a folder you can write to", ctx=ctx)
+    return p
+
+
+# --------------------------------------------------------------------------------------------
 # output
 # --------------------------------------------------------------------------------------------
 def interactive() -> bool:

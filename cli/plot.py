@@ -79,7 +79,6 @@ def plot_comparison(
     fig.suptitle(title or f"A = {label_a}   vs   B = {label_b}", fontsize=11)
     if handles:
         _legend(fig, metrics, field_styles, multi_field=any(len(by_handle[h]) > 1 for h in handles))
-    out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out

@@ -9,6 +9,7 @@ from typing import Any
 import click
 
 from hookline.storage.mlflow.keys import VERSION_TAG
+from hookline.storage.words import plural
 
 from .options import (
     CONTEXT_SETTINGS,
@@ -19,6 +20,7 @@ from .options import (
     human_bytes,
     json_option,
     plain,
+    print_table,
     quiet_mlflow_logs,
     safe_text,
     tracking_uri_option,
@@ -28,6 +30,7 @@ from .options import (
 BASE_FILTER = f"tags.`{VERSION_TAG}` LIKE '%'"
 
 _HANDLES = re.compile(r"^hookline\.handles(?:-rank\d+)?$")
+_BYTES = re.compile(r"^hookline\.bytes(?:-rank\d+)?$")
 _HAS = re.compile(r"^hookline\.has\.(.+)$")
 _STATUS = {"FINISHED": "done", "RUNNING": "running", "FAILED": "failed", "KILLED": "killed",
            "SCHEDULED": "sched"}
@@ -49,6 +52,8 @@ def run_info(run: Any, experiments: dict[str, str]) -> dict[str, Any]:
             head = str(v).split(":", 1)[0]
             if head.isdigit():
                 size += int(head)
+    if any(_BYTES.match(k) for k in tags):  # (runs synced by earlier builds have per-file `synced` tags only)
+        size = sum(int(v) for k, v in tags.items() if _BYTES.match(k) and str(v).isdigit())
     types = sorted(m.group(1) for k in tags if (m := _HAS.match(k)))
     info = run.info
     start = _dt.datetime.fromtimestamp(info.start_time / 1000, _dt.timezone.utc).isoformat(timespec="seconds") \
@@ -151,28 +156,43 @@ def _print_runs(infos: list[dict[str, Any]], experiment: str | None, uri: str, f
         c.print("record one with Recorder(..., mlflow_run_id=...), `hookline sync`, or try `hookline demo`.",
                 soft_wrap=True, highlight=False, markup=False)
         return
-    from rich import box
-    from rich.table import Table
+    from rich.measure import Measurement
 
     exps = {i["experiment"] for i in infos}
     one_exp = len(exps) == 1
     where = f" in experiment {esc(next(iter(exps)))}" if one_exp else ""
+    title = f"{plural(len(infos), 'run')} with hookline data{where} at {esc(uri)}"
+    table = _table(infos, one_exp, title, stacked=False)
+    if Measurement.get(c, c.options.update_width(10_000), table).maximum > c.width:  # (names would fold: own line)
+        table = _table(infos, one_exp, title, stacked=True)
+    print_table(table)
+
+
+def _table(infos: list[dict[str, Any]], one_exp: bool, title: str, *, stacked: bool) -> Any:
+    """The runs table; ``stacked`` puts each run's name (and experiment) on a line under its id."""
+    from rich import box
+    from rich.table import Table
+    from rich.text import Text
+
     table = Table(box=box.SIMPLE_HEAD, show_edge=False, collapse_padding=True, pad_edge=False,
-                  title=f"{len(infos)} runs with hookline data{where} at {esc(uri)}", title_justify="left")
-    table.add_column("run id", no_wrap=True)
-    table.add_column("name", overflow="fold", min_width=8)
-    if not one_exp:
-        table.add_column("experiment", overflow="fold", min_width=10)
+                  title=title, title_justify="left")
+    table.add_column("run id / name" if stacked else "run id", no_wrap=not stacked, overflow="fold", min_width=32)
+    if not stacked:
+        table.add_column("name", overflow="fold", min_width=8)
+        if not one_exp:
+            table.add_column("experiment", overflow="fold", min_width=10)
     table.add_column("status", no_wrap=True)
     table.add_column("started", no_wrap=True)
     table.add_column("handles", justify="right", no_wrap=True)
     table.add_column("size", justify="right", no_wrap=True)
     for i in infos:
         started = (i["start_time"] or "-").replace("T", " ").replace("+00:00", "")[5:16]
-        row = [plain(i["run_id"]), plain(i["run_name"])]
-        if not one_exp:
-            row.append(plain(i["experiment"]))
+        if stacked:
+            second = f"{i['run_name'] or '-'}" + ("" if one_exp else f" ({i['experiment']})")
+            row = [Text(f"{i['run_id']}\n{safe_text(second)}")]
+        else:
+            row = [plain(i["run_id"]), plain(i["run_name"])] + ([] if one_exp else [plain(i["experiment"])])
         status = _STATUS.get(i["status"], str(i["status"]).lower())
         row += [plain(status), plain(started), str(i["handles"]), human_bytes(i["bytes"])]
         table.add_row(*row)
-    c.print(table)
+    return table

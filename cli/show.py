@@ -166,6 +166,7 @@ def show(run: str, handle: str | None, as_json: bool, quiet: bool, tracking_uri:
 
 
 def _print_run(run: str, infos: list[dict], status: str | None = None, meta: dict | None = None) -> None:
+    from hookline.storage.words import plural
     from rich import box
     from rich.table import Table
 
@@ -175,12 +176,15 @@ def _print_run(run: str, infos: list[dict], status: str | None = None, meta: dic
     for key in ("mlflow_run_id", "torch_version", "every", "steps"):
         if meta.get(key) is not None:
             bits.append(f"{key} {meta[key]}")
-    extra = {k: v for k, v in meta.items() if k not in ("mlflow_run_id", "torch_version", "every", "steps")}
+    if meta.get("found_inf_steps"):  # Recorder(grad_scaler=...): steps the optimizer skipped
+        bits.append(f"grad scaler found inf/NaN at steps {meta['found_inf_steps']}")
+    extra = {k: v for k, v in meta.items()
+             if k not in ("mlflow_run_id", "torch_version", "every", "steps", "found_inf_steps")}
     if extra:
         bits.append("meta " + ", ".join(f"{k}={v}" for k, v in list(extra.items())[:6]))
     if bits:
         console().print(safe_text("; ".join(bits)), soft_wrap=True, markup=False, highlight=False)
-    table = Table(box=box.SIMPLE_HEAD, show_edge=False, collapse_padding=True, title=f"{esc(run)}: {len(infos)} handles, {human_bytes(total)}", title_justify="left", pad_edge=False)
+    table = Table(box=box.SIMPLE_HEAD, show_edge=False, collapse_padding=True, title=f"{esc(run)}: {plural(len(infos), 'handle')}, {human_bytes(total)}", title_justify="left", pad_edge=False)
     table.add_column("handle", overflow="fold", min_width=12)
     table.add_column("type", overflow="fold")
     table.add_column("field", overflow="fold", min_width=8)
@@ -217,6 +221,7 @@ def _steps_text(i: dict) -> str:
 
 
 def _print_handle(run: str, info: dict) -> None:
+    from hookline.storage.words import plural
     from rich import box
     from rich.table import Table
 
@@ -224,7 +229,7 @@ def _print_handle(run: str, info: dict) -> None:
     c.print(f"[bold]{esc(info['handle'])}[/] in {esc(run)}", soft_wrap=True)
     c.print(safe_text(
         f"module {info['module_name'] or '-'} ({info['module_type'] or '-'}), {info['category'] or '-'}; "
-        f"{info['records']} records, steps {_steps_text(info)}, {human_bytes(info['bytes'])}"),
+        f"{plural(info['records'], 'record')}, steps {_steps_text(info)}, {human_bytes(info['bytes'])}"),
         soft_wrap=True, markup=False,
     )
     fields = Table(box=box.SIMPLE_HEAD, show_edge=False, collapse_padding=True, pad_edge=False)

@@ -29,6 +29,7 @@ def sync(run_dir: str, run_id: str, tracking_uri: str | None, as_json: bool) -> 
       hookline sync runs/baseline --run-id 0a1b... --tracking-uri http://127.0.0.1:5000
     """
     from hookline.storage import sync as storage_sync
+    from hookline.storage.words import plural
 
     if not os.path.isdir(run_dir):
         raise click.ClickException(f"run directory {run_dir!r} does not exist")
@@ -54,7 +55,7 @@ def sync(run_dir: str, run_id: str, tracking_uri: str | None, as_json: bool) -> 
     else:
         c = console()
         c.print(safe_text(
-            f"synced {run_dir} to MLflow run {report.run_id}: {len(report.uploaded)} files uploaded, "
+            f"synced {run_dir} to MLflow run {report.run_id}: {plural(len(report.uploaded), 'file')} uploaded, "
             f"{len(report.skipped)} already there, {report.metrics} metric points, {report.tags} tags "
             f"({report.seconds:.1f} s)"), soft_wrap=True, highlight=False, markup=False,
         )
@@ -63,5 +64,6 @@ def sync(run_dir: str, run_id: str, tracking_uri: str | None, as_json: bool) -> 
     if not report.ok:
         where = "listed in the JSON" if as_json else "listed above"
         raise click.ClickException(
-            f"{len(report.errors)} sync error(s) for {run_dir!r} ({where}); fix them and run the command again"
+            f"{plural(len(report.errors), 'sync error')} for {run_dir!r} ({where}); "
+            f"fix {'it' if len(report.errors) == 1 else 'them'} and run the command again"
         )

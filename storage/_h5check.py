@@ -10,6 +10,10 @@ genuine file of the same size could need.
 from __future__ import annotations
 
 import math
+import os
+import threading
+from collections import OrderedDict
+from pathlib import Path
 from typing import Any
 
 import h5py
@@ -19,12 +23,15 @@ from h5py import h5a, h5d, h5g, h5l, h5o, h5t
 from .errors import FormatError
 from .format import INDEX_GROUP
 
-__all__ = ["Structure", "check_structure", "root_attrs", "damaged", "attr_str", "HINT", "MAX_CHUNK_BYTES"]
+__all__ = ["Structure", "check_structure", "checked_structure", "records_end", "root_attrs", "damaged", "attr_str",
+           "HINT", "MAX_CHUNK_BYTES"]
 
 #: HDF5 compression filters a part may use (one per dataset), by filter id: name and the largest
-#: factor by which it can shrink data (deflate 1032, lzf ~88, lz4 ~255, zstd ~32768 on all-zero
-#: chunks; with a margin). A dataset may declare at most that many times the file's size.
-_COMPRESSORS = {1: ("gzip", 1100), 32000: ("lzf", 100), 32004: ("lz4", 300), 32015: ("zstd", 40000)}
+#: factor by which it can shrink data (deflate 1032, lzf ~88, lz4 ~255, zstd ~32768, Blosc2 ~17500
+#: (a 4 MiB all-zero chunk is 240 bytes) on all-zero chunks; with a margin). A dataset may declare
+#: at most that many times the file's size.
+_COMPRESSORS = {1: ("gzip", 1100), 32000: ("lzf", 100), 32004: ("lz4", 300), 32015: ("zstd", 40000),
+                32026: ("blosc2", 40000)}
 #: Filters that only reorder or checksum bytes (allowed with or without a compressor).
 _TRANSFORMS = {2: "shuffle", 3: "fletcher32"}
 #: Largest chunk a part may declare, in bytes (hookline writes data chunks of at most 4 MiB and
@@ -62,7 +69,7 @@ def check_structure(f: h5py.File, where: str) -> Structure:
     Refused: soft, external and user-defined links (never followed); datasets with external raw
     storage and virtual datasets; datasets of other than plain numeric types (references,
     variable-length, compound...) and attributes of other than numbers or strings; filters
-    other than one of deflate, lzf, lz4 and zstd plus shuffle and fletcher32; chunks over
+    other than one of deflate, lzf, lz4, zstd and Blosc2 plus shuffle and fletcher32; chunks over
     :data:`MAX_CHUNK_BYTES`; a dataset declaring more bytes than its compressor can expand the
     file's size to (an index dataset, which hookline stores uncompressed: more than the file's
     size); an attribute larger than the file.
@@ -92,6 +99,75 @@ def check_structure(f: h5py.File, where: str) -> Structure:
             raise damaged(where, f"{name!r} is a {type(oid).__name__}, not a group or dataset")
         st.attrs[name] = _read_attrs(oid, name, size, where)
     return st
+
+
+#: Structures of the files this process checked, by the identity of the file (device, inode,
+#: size, modification and change time; least recently used dropped beyond the bound).
+_CHECKED: OrderedDict[tuple[int, ...], Structure] = OrderedDict()
+_CHECKED_MAX = 4096
+_CHECKED_LOCK = threading.Lock()
+
+
+def _identity(st: os.stat_result) -> tuple[int, ...]:
+    # (ctime cannot be set from user space: a file written or touched since has another one)
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
+
+
+def _cached(ident: tuple[int, ...] | None) -> Structure | None:
+    if ident is None:
+        return None
+    with _CHECKED_LOCK:
+        st = _CHECKED.get(ident)
+        if st is not None:
+            _CHECKED.move_to_end(ident)
+        return st
+
+
+def checked_structure(f: h5py.File, where: str) -> Structure:
+    """:func:`check_structure` of ``f``, once per file per process: a file whose identity
+    (device, inode, size, modification and change time, taken from the open descriptor) is
+    unchanged since it passed the walk is the same file, so the walk's result is reused (the walk
+    reads every attribute through HDF5: ~1-3 ms, most of opening a part). Only files that passed
+    are remembered.
+
+    Raises:
+        FormatError: what :func:`check_structure` refused.
+    """
+    try:
+        ident: tuple[int, ...] | None = _identity(os.fstat(f.id.get_vfd_handle()))
+    except Exception:  # (a driver without a descriptor: no reuse)
+        ident = None
+    st = _cached(ident)
+    if st is None:
+        st = check_structure(f, where)
+        if ident is not None:
+            with _CHECKED_LOCK:
+                _CHECKED[ident] = st
+                while len(_CHECKED) > _CHECKED_MAX:
+                    _CHECKED.popitem(last=False)
+    return st
+
+
+def records_end(path: Path) -> int:
+    """``record_start + records`` of a complete file (its root attributes, checked). A file not
+    seen before is walked whole (:func:`checked_structure`: the open that follows its discovery
+    then reuses the walk); one the walk refuses falls back to its root attributes, so the caller
+    decides about the damage as before.
+
+    Raises:
+        OSError: HDF5 cannot open it. FormatError: bad root attributes.
+    """
+    st = _cached(_identity(os.stat(path)))
+    if st is None:
+        with h5py.File(path, "r", rdcc_nbytes=0) as f:
+            try:
+                st = checked_structure(f, str(path))
+            except Exception:
+                st = None
+            a = st.attrs[""] if st is not None else root_attrs(f, str(path))
+    else:
+        a = st.attrs[""]
+    return int(a["record_start"]) + int(a["records"])
 
 
 def root_attrs(f: h5py.File, where: str) -> dict[str, Any]:

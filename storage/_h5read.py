@@ -23,7 +23,7 @@ import numpy as np
 
 from . import dtypes
 from ._filters import ensure_filters
-from ._h5check import HINT, Structure, attr_str, check_structure, damaged
+from ._h5check import HINT, Structure, attr_str, checked_structure, damaged
 from .errors import FormatError, HooklineError, StorageError
 from .format import FILE_FORMAT, FORMAT_VERSION, INDEX_GROUP, MAX_STEP, check_field_name
 
@@ -257,9 +257,12 @@ class PartField:
 
     def read_stored(self, j: int) -> np.ndarray:
         """Entry ``j`` (0-based within this file) in its stored dtype."""
-        with _reading(self._where, f"field {self.name!r}: entry {j}"):
-            if self.shape is not None:
+        if self.shape is not None:
+            try:  # (no context manager on the one-record path: it costs as much as a small read)
                 return self.ds[j]
+            except OSError as e:
+                _raise_damage(e, self._where, f"field {self.name!r}: entry {j}")
+        with _reading(self._where, f"field {self.name!r}: entry {j}"):
             shp = self.record_shape(j)
             off = int(self.offsets[j])
             return self.ds[off : off + math.prod(shp)].reshape(shp)
@@ -280,9 +283,14 @@ def _reading(where: str, what: str) -> Iterator[None]:
     except HooklineError:
         raise  # (already says what is wrong: a closed run, a refused file)
     except OSError as e:
-        if e.errno is not None:
-            raise
-        raise damaged(where, f"{what} does not read ({e})") from e
+        _raise_damage(e, where, what)
+
+
+def _raise_damage(e: OSError, where: str, what: str) -> None:
+    """Raise what :func:`_reading` makes of an ``OSError`` (a hookline error passes unchanged)."""
+    if e.errno is not None or isinstance(e, HooklineError):
+        raise e
+    raise damaged(where, f"{what} does not read ({e})") from e
 
 
 class FileLRU:
@@ -298,8 +306,8 @@ class FileLRU:
 
     def touch(self, part: Part) -> None:
         """Mark ``part`` used now (its file is open); close the least recently used beyond capacity."""
+        key = id(part)
         with self._lock:
-            key = id(part)
             if key in self._open:
                 self._open.move_to_end(key)
                 return
@@ -354,7 +362,7 @@ class Part:
                 f"{w!r} has format_version {version}; this hookline reads <= {FORMAT_VERSION}: upgrade hookline"
             )
         _check_root_attrs(a, w)
-        self.attrs = a
+        self.attrs = dict(a)  # (the structure may be shared: see checked_structure)
         self.field_names: list[str] = _field_names(a.get("fields", "[]"), w, st)
         _index_ds(st, "step", self.n, w)
         _index_ds(st, "call", self.n, w)
@@ -367,7 +375,8 @@ class Part:
             lru.touch(self)
 
     def _index(self, name: str) -> np.ndarray:
-        arr = self.f[name][: self.n].astype(np.int64)
+        with _reading(str(self.path), f"index {name!r}"):
+            arr = self.f[name][: self.n].astype(np.int64)
         if len(arr) != self.n:
             raise damaged(str(self.path), f"{name!r} has {len(arr)} entries, expected {self.n}")
         return arr
@@ -447,7 +456,8 @@ def _identity(path: Path) -> tuple[int, int, int, int]:
 
 def open_part(path: Path, lru: FileLRU | None = None) -> Part:
     """Open a complete handle file read-only (kept open at most as ``lru`` allows), after
-    :func:`check_structure`: nothing outside the file is ever followed or read.
+    :func:`~._h5check.checked_structure` (the structure walk, once per file per process):
+    nothing outside the file is ever followed or read.
 
     Raises:
         FormatError: not a hookline handle file, an unsupported version, or damaged (anything
@@ -456,7 +466,7 @@ def open_part(path: Path, lru: FileLRU | None = None) -> Part:
     """
     f = h5py.File(path, "r", rdcc_nbytes=0)
     try:
-        return Part(path, f, check_structure(f, str(path)), lru)
+        return Part(path, f, checked_structure(f, str(path)), lru)
     except BaseException as e:
         f.close()
         if isinstance(e, (HooklineError, MemoryError)) or not isinstance(e, Exception):

@@ -13,11 +13,9 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import h5py
-
 from .confine import RunRoot
 from .errors import FormatError
-from ._h5check import root_attrs
+from ._h5check import records_end
 
 __all__ = ["PartEntry", "Discovery", "discover_files", "cover"]
 
@@ -82,9 +80,7 @@ def cover(entries: list[PartEntry]) -> tuple[list[PartEntry], list[PartEntry], l
 
 
 def _records_of_final(path: Path) -> int:
-    with h5py.File(path, "r", rdcc_nbytes=0) as f:
-        a = root_attrs(f, str(path))  # (checked: a damaged file must not allocate without bound)
-        return int(a["record_start"]) + int(a["records"])
+    return records_end(path)  # (checked: a damaged file must not allocate without bound)
 
 
 def discover_files(run_dir: Path | RunRoot, key: str, suffix: str) -> Discovery:

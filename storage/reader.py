@@ -13,13 +13,14 @@ Data comes from a *source* with two methods, so local directories and MLflow run
 A source may also offer ``discover(key, suffix) -> _parts.Discovery`` to list segment files
 (the local source does; remote sources provide only the final files named in the manifest).
 
-(~660 lines, kept in one file: :class:`Run`, :class:`Handle`, :class:`LazyPart` and
+(~680 lines, kept in one file: :class:`Run`, :class:`Handle`, :class:`LazyPart` and
 :class:`Field` share private state - a Field reads its handle's opened parts and record offsets -
 so splitting them would pass private names between modules.)
 """
 
 from __future__ import annotations
 
+import bisect
 import os
 import warnings
 from functools import cached_property
@@ -61,6 +62,8 @@ class LocalSource:
     def __init__(self, root: str | os.PathLike[str]):
         self.root = Path(root)
         self._confined = RunRoot(self.root)  # (resolved once: every path of the run is checked against it)
+        #: ids of the manifests :meth:`manifests` returned already checked (read_manifest checks them)
+        self.checked: set[int] = set()
 
     def manifests(self) -> list[dict[str, Any]]:
         """Parsed manifests (``manifest.json`` / ``manifest.rank<r>.json``); synthesised from the
@@ -72,7 +75,9 @@ class LocalSource:
         """
         found = sorted(p.name for p in self.root.iterdir() if MANIFEST_RE.fullmatch(p.name))
         if found:
-            return [read_manifest(self._confined.file(n, what="manifest")) for n in found]
+            out = [read_manifest(self._confined.file(n, what="manifest")) for n in found]
+            self.checked = {id(m) for m in out}  # (read_manifest checked them: Run need not again)
+            return out
         manifests = synthesise_manifests(self.root)
         if not manifests:
             raise _not_a_run(self.root)
@@ -175,8 +180,10 @@ class Run:
         self.source = source
         self.path = where
         self.manifests = list(source.manifests())
+        checked = getattr(source, "checked", ())
         for i, m in enumerate(self.manifests):
-            check_manifest(m, f"{where} manifest #{i}")
+            if id(m) not in checked:
+                check_manifest(m, f"{where} manifest #{i}")
         self.manifests.sort(key=lambda m: -1 if m.get("rank") is None else m["rank"])
         first = self.manifests[0] if self.manifests else {}
         self.meta: dict[str, Any] = dict(first.get("meta") or {})
@@ -468,6 +475,10 @@ class Field:
         shapes = {pf.shape for _, pf in segs}
         self._shape = shapes.pop() if len(shapes) == 1 else None
         self._cum = np.cumsum([0] + [pf.count for _, pf in segs]).astype(np.int64)
+        # (plain ints for the one-record path: numpy scalars and searchsorted cost microseconds
+        # per record, as much as HDF5's own read of a small record)
+        self._bounds: list[int] = self._cum.tolist()
+        self._n = self._bounds[-1]
 
     # --- metadata -------------------------------------------------------------------------------------
     @property
@@ -491,7 +502,7 @@ class Field:
         return self._shape is None
 
     def __len__(self) -> int:
-        return int(self._cum[-1])
+        return self._n
 
     @cached_property
     def records(self) -> np.ndarray:
@@ -537,8 +548,10 @@ class Field:
             raise RecordIndexError(
                 f"record {i!r} out of range for field {self.name!r} of {self.handle.id!r}, which has {n} "
                 f"records (valid: 0..{n - 1}, or negative from the end)")
-        s = int(np.searchsorted(self._cum, ii, side="right")) - 1
-        return s, ii - int(self._cum[s])
+        if len(self._bounds) == 2:  # (one part: the usual closed run)
+            return 0, ii
+        s = bisect.bisect_right(self._bounds, ii) - 1
+        return s, ii - self._bounds[s]
 
     def _stored(self, i: int) -> np.ndarray:
         s, j = self._locate(i)

@@ -28,8 +28,9 @@ from typing import Any
 
 import numpy as np
 
+from ._filters import spec_of_dataset
 from ._fs import atomic_write_json, fsync_dir, fsync_file
-from ._h5read import Part, open_part
+from ._h5read import Part, PartField, open_part
 from ._merge import COPY_BLOCK_BYTES, merge_files
 from ._parts import Discovery, discover_files
 from .confine import RunRoot
@@ -59,6 +60,9 @@ def _check_part(p: Part) -> dict[str, int]:
     if len(p.steps) != p.n or len(p.calls) != p.n:
         raise FormatError(f"index length mismatch (records={p.n})")
     counts = {}
+    bad = [msg for nm in p.field_names if (msg := _checksum_failures(p.field(nm), p.handle_id))]
+    if bad:
+        raise FormatError("; ".join(bad))
     for nm in p.field_names:
         pf = p.field(nm)
         if len(pf.records) != pf.count:
@@ -72,6 +76,58 @@ def _check_part(p: Part) -> dict[str, int]:
             pf.read_stored(pf.count - 1)
         counts[nm] = pf.count
     return counts
+
+
+def _checksum_failures(pf: PartField, hid: str) -> str | None:
+    """Read every chunk of a checksummed field (HDF5 checks each chunk's fletcher32 on read);
+    the records whose chunks fail, as ranges of global record numbers, or None."""
+    ds = pf.ds
+    if not ds.fletcher32 or not pf.count:
+        return None
+    extent = int(ds.shape[0])
+    c0 = int(ds.chunks[0])
+    row = max(1, ds.dtype.itemsize * int(np.prod(ds.shape[1:])))
+    step = max(c0, COPY_BLOCK_BYTES // row // c0 * c0)
+    bad: list[tuple[int, int]] = []  # failing item ranges along axis 0
+    for a in range(0, extent, step):
+        b = min(extent, a + step)
+        if _reads(ds, a, b):
+            continue
+        bad.extend((x, min(b, x + c0)) for x in range(a, b, c0) if not _reads(ds, x, min(b, x + c0)))
+    if not bad:
+        return None
+    if pf.shape is not None:
+        entries = [j for x, y in bad for j in range(x, min(y, pf.count))]
+    else:  # (ragged: the entries whose elements overlap a failing chunk)
+        offs, sizes = pf.offsets, np.prod(pf.shapes, axis=1) if pf.ndim else np.ones(pf.count, np.int64)
+        entries = [j for x, y in bad for j in np.nonzero((offs < y) & (offs + sizes > x))[0].tolist()]
+    recs = sorted({int(r) for r in pf.records[sorted(set(entries))]}) if entries else []
+    where = _ranges(recs) or f"items {bad[0][0]}-{bad[-1][1] - 1} past the last record"
+    return (f"handle {hid!r}: field {pf.name!r}: {where} fail their checksum (data damaged on disk; "
+            f"the other records read)")
+
+
+def _reads(ds: Any, a: int, b: int) -> bool:
+    """Whether items ``[a, b)`` of a dataset read (HDF5's own read errors are damage; the
+    machine's, with an errno, are raised)."""
+    try:
+        ds[a:b]
+        return True
+    except OSError as e:
+        if e.errno is not None:
+            raise
+        return False
+
+
+def _ranges(recs: list[int]) -> str:
+    """``"records 4-7, 12-15"`` for sorted record numbers."""
+    out: list[list[int]] = []
+    for r in recs:
+        if out and out[-1][1] == r - 1:
+            out[-1][1] = r
+        else:
+            out.append([r, r])
+    return ", ".join(f"records {a}-{b}" for a, b in out)
 
 
 def _check_locks(run_dir: Path, repair: bool, report: VerifyReport) -> list[str]:
@@ -406,10 +462,7 @@ def _check_file(run_dir: Path, rel: str, hid: str) -> _Checked | str:
         if p.handle_id != hid:
             raise FormatError(f"belongs to handle {p.handle_id!r}")
         counts = _check_part(p)
-        compression = {}
-        for nm in p.field_names:
-            c = p.field(nm).ds.compression
-            compression[nm] = c if c in ("gzip", "lzf") else None
+        compression = {nm: spec_of_dataset(p.field(nm).ds) for nm in p.field_names}
         return _Checked(rel, p.n, counts, dict(p.attrs), compression)
     except Exception as e:
         _raise_if_environment(e, rel)

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from .words import plural
+
 __all__ = ["VerifyReport", "HandleReport", "QUARANTINE_DIR"]
 
 #: Where repair moves files it cannot use (relative to the run directory).
@@ -87,8 +89,9 @@ class VerifyReport:
     def damage_found(self) -> str:
         """What a repair found and fixed, one phrase per kind (empty when :attr:`clean`)."""
         lost = sum(len(h.lost) for h in self.handles)
-        what = [f"{len(self.moved)} file(s) moved to {QUARANTINE_DIR}/"] if self.moved else []
-        what += [f"{lost} loss(es) recorded in the manifest"] if lost else []
+        shown = ", ".join(self.moved[:3]) + (", ..." if len(self.moved) > 3 else "")
+        what = [f"{plural(len(self.moved), 'file')} moved to {QUARANTINE_DIR}/ ({shown})"] if self.moved else []
+        what += [f"{plural(lost, 'loss')} recorded in the manifest"] if lost else []
         what += [d for h in self.handles for d in h.damage]
         return ", ".join(what)
 
@@ -100,12 +103,14 @@ class VerifyReport:
         return f"REPAIRED, DAMAGE FOUND ({self.damage_found()})"
 
     def __str__(self) -> str:
-        lines = [f"{self.path}: {self._verdict()} ({len(self.handles)} handles, {self.records} records)"]
+        lines = [f"{self.path}: {self._verdict()} ({plural(len(self.handles), 'handle')}, "
+                 f"{plural(self.records, 'record')})"]
         lines += [f"  run: {p}" for p in self.problems]
         lines += [f"  run repaired: {p}" for p in self.repaired]
         for h in self.handles:
             tag = h.handle_id + (f" (rank {h.rank})" if h.rank is not None else "")
-            lines.append(f"  {tag}: {h.records} records, {len(h.fields)} fields" + ("" if h.ok else " - PROBLEMS"))
+            lines.append(f"  {tag}: {plural(h.records, 'record')}, {plural(len(h.fields), 'field')}"
+                         + ("" if h.ok else " - PROBLEMS"))
             lines += [f"    problem: {p}" for p in h.problems]
             lines += [f"    repaired: {p}" for p in h.repaired]
         return "\n".join(lines)

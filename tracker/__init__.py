@@ -12,6 +12,7 @@ from hookline.storage.errors import (
     RunExistsError,
     UnknownNameError,
 )
+from hookline.tracker.capture.recompute import is_recomputing
 from hookline.tracker.capture.recorder import Recorder
 from hookline.tracker.capture.stats import StatsSpec
 from hookline.tracker.capture.summary import RecorderSummary
@@ -36,6 +37,7 @@ __all__ = [
     "RunExistsError",
     "StatsSpec",
     "UnknownNameError",
+    "is_recomputing",
     "passive",
     "select",
 ]

@@ -39,7 +39,8 @@ def trajectories(runs: list[str], prefix: str = "grads[", field: str = "grad_out
     return out
 
 
-def plot(data: dict, out: str | Path, field: str) -> Path:
+def figure(data: dict, field: str):
+    """The figure: one panel per handle, the per-step norm of ``field`` of each run over the steps."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -54,6 +55,7 @@ def plot(data: dict, out: str | Path, field: str) -> Path:
             ax.plot(steps, norms, marker="o", markersize=3, label=Path(r).name or r)
         ax.set_title(f"{h}  ·  ||{field}||", fontsize=10)
         ax.set_xlabel("step")
+        ax.set_ylabel(f"L2 norm of {field} (log scale)")
         ax.set_yscale("log")
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
@@ -61,6 +63,14 @@ def plot(data: dict, out: str | Path, field: str) -> Path:
         ax.set_visible(False)
     fig.suptitle("gradient-norm trajectories", fontsize=11)
     fig.tight_layout()
+    return fig
+
+
+def plot(data: dict, out: str | Path, field: str) -> Path:
+    """Write :func:`figure` to ``out`` (PNG)."""
+    import matplotlib.pyplot as plt
+
+    fig = figure(data, field)
     out = Path(out)
     fig.savefig(out, dpi=110)
     plt.close(fig)

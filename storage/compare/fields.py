@@ -9,6 +9,7 @@ import numpy as np
 
 from ..blocks import BLOCK_BYTES, contiguous_runs, read_block, records_per_block
 from ..reader import Field, Handle
+from ..words import plural
 from .metrics import block_metrics, check_metrics
 from .results import FieldComparison
 
@@ -109,8 +110,8 @@ def compare_fields(
 def _no_common_steps(res: FieldComparison, fa: Field, fb: Field) -> None:
     res.status = "no_common_steps"
     sa, sb = np.asarray(fa.steps, np.int64), np.asarray(fb.steps, np.int64)
-    ra = f"{len(sa)} records" + (f", steps {sa.min()}..{sa.max()}" if len(sa) else "")
-    rb = f"{len(sb)} records" + (f", steps {sb.min()}..{sb.max()}" if len(sb) else "")
+    ra = plural(len(sa), "record") + (f", steps {sa.min()}..{sa.max()}" if len(sa) else "")
+    rb = plural(len(sb), "record") + (f", steps {sb.min()}..{sb.max()}" if len(sb) else "")
     res.message = f"no common (step, call) records: run A has {ra}, run B has {rb}"
 
 

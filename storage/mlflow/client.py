@@ -144,7 +144,8 @@ def get_run(client: Any, run_id: str) -> Any:
         if code == "RESOURCE_DOES_NOT_EXIST" or "not found" in str(e).lower():
             raise UnknownNameError(
                 f"MLflow run {run_id!r} not found at tracking URI {uri!r}: check the run id "
-                "(`mlflow runs list`, the MLflow UI) or pass the right tracking URI "
+                "(`hookline runs`, `mlflow runs list --experiment-id <id>`, the MLflow UI) or pass the right "
+                "tracking URI "
                 "(tracking_uri=... / --tracking-uri / MLFLOW_TRACKING_URI)"
             ) from e
         raise TrackingError(f"cannot reach MLflow run {run_id!r} at tracking URI {uri!r}: {short_error(e)}") from e

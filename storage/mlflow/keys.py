@@ -1,8 +1,8 @@
 """MLflow names of a run directory's contents: tag keys, metric keys, artifact paths.
 
 Scheme (see docs/mlflow.md): with ``K = handle_key(handle_id)`` (plus ``-rank<r>`` when ranked) a
-handle's tags are ``hookline.K/<name>`` and its metrics ``hookline.K/<field>.norm``,
-``.norm_max``, ``.norm_last``. ``K`` holds at most one ``/`` and field names are escaped like
+handle's tags are ``hookline.K/<name>`` and its metrics ``hookline.K/<field>.norm`` and
+``.norm_max``. ``K`` holds at most one ``/`` and field names are escaped like
 handle keys (no ``/``), so the last ``/`` always separates the handle from the name; run-level
 tags (``hookline.version``, ``hookline.has.<ModuleType>``...) contain no ``/`` at all.
 """
@@ -25,7 +25,7 @@ __all__ = [
     "handles_tag",
     "origin_tag",
     "module_type_tag",
-    "manifest_synced_tag",
+    "bytes_tag",
     "cut_tag_value",
 ]
 
@@ -71,8 +71,7 @@ def tag_key(handle_id: str, name: str, *, rank: int | None = None) -> str:
 
     Args:
         handle_id: the hook handle id, e.g. ``"outputs[blocks.0]"``.
-        name: tag name: ``id``, ``module``, ``module_type``, ``category``, ``fields``, ``shape``,
-            ``dtype``, ``records``, ``artifact`` or ``synced``.
+        name: tag name: ``id`` or ``records`` (see :data:`~.runpage.HANDLE_TAGS`).
         rank: the distributed rank, if the run was recorded with one.
 
     Returns:
@@ -87,7 +86,7 @@ def metric_key(handle_id: str, field_name: str, stat: str = "norm", *, rank: int
     Args:
         handle_id: the hook handle id, e.g. ``"grads[blocks.0]"``.
         field_name: the field, e.g. ``"grad_out.0"``.
-        stat: ``"norm"`` (per-step series), ``"norm_max"`` or ``"norm_last"``.
+        stat: ``"norm"`` (per-record series) or ``"norm_max"`` (its running maximum).
         rank: the distributed rank, if the run was recorded with one.
 
     Returns:
@@ -103,8 +102,9 @@ def handles_tag(rank: int | None) -> str:
 
 
 def origin_tag(rank: object) -> str:
-    """Run tag naming the run directory synced into the run (of one rank, by its manifest's
-    ``rank``): ``hookline.origin[-rank<r>]``."""
+    """Run param (earlier builds set a tag of that name, still honoured) naming the run
+    directory synced into the run (of one rank, by its manifest's ``rank``):
+    ``hookline.origin[-rank<r>]``."""
     return "hookline.origin" + _rank_suffix(rank)
 
 
@@ -116,9 +116,10 @@ def module_type_tag(module_type: str | None) -> str | None:
     return "hookline.has." + escape_part(str(module_type).rsplit(".", 1)[-1])
 
 
-def manifest_synced_tag(manifest_name: str) -> str:
-    """Run tag holding ``<size>:<sha256>`` of the uploaded manifest ``manifest_name``."""
-    return f"hookline.synced.{escape_part(manifest_name)}"
+def bytes_tag(rank: int | None) -> str:
+    """Run tag holding the bytes of the handle files uploaded (of one uploader's rank):
+    ``hookline.bytes[-rank<r>]``; set together with the sync record (:mod:`.syncstate`)."""
+    return "hookline.bytes" + _rank_suffix(rank)
 
 
 def cut_tag_value(value: str) -> str:

@@ -4,16 +4,17 @@ What a pass does (:meth:`Uploader.run`), each step a method of :class:`_Pass`:
 
 1. reads the run directory's manifest(s) (``manifest.json`` / ``manifest.rank<r>.json``) and
    checks that the MLflow run holds no other run directory;
-2. starts uploading every handle file whose size/SHA-256 differs from the ``.../synced`` tag of
-   the run, as artifact ``hookline/<file>`` (``<file>`` is the manifest's relative path, i.e.
+2. starts uploading every handle file whose size/SHA-256 differs from the run's sync record
+   (:mod:`.syncstate`), as artifact ``hookline/<file>`` (``<file>`` is the manifest's relative path, i.e.
    ``<key>.h5`` or ``<key>.rank<r>.h5``), several at once on plain threads;
-3. meanwhile logs the per-record L2 norms of every field as metric series (step = training step)
-   for the records not yet logged, plus ``norm_max``/``norm_last`` summary metrics, with
+3. meanwhile logs the per-record L2 norms of every field and their running maximum as metric
+   series (step = training step) for the records not yet logged (:mod:`.runpage`), with
    ``log_batch``;
-4. logs the per-handle and run-level tags with ``log_batch``;
-5. uploads the manifest(s) last, as ``hookline/manifest.json`` / ``hookline/manifest.rank<r>.json``.
+4. uploads the manifest(s) last, as ``hookline/manifest.json`` / ``hookline/manifest.rank<r>.json``,
+   then the sync record;
+5. logs the per-handle and run-level tags (and the ``hookline.origin`` param) with ``log_batch``.
 
-Idempotence: files are compared by size + SHA-256 against the ``synced`` tags and skipped when
+Idempotence: files are compared by size + SHA-256 against the sync record and skipped when
 equal; metric points carry deterministic timestamps (manifest creation time + record index), so a
 repeated point is identical and MLflow's SQL store drops it instead of storing a duplicate; the
 ``records`` tag is the watermark of records already logged, so a repeat pass does not even send
@@ -23,7 +24,6 @@ them again.
 from __future__ import annotations
 
 import enum
-import json
 import logging
 import re
 import threading
@@ -31,8 +31,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-
-import numpy as np
 
 from ..errors import DuplicateNameError, FormatError, HookTypeError, InvalidArgumentError, TrackingError
 from ..confine import RunRoot
@@ -43,16 +41,16 @@ from .keys import (
     ARTIFACT_ROOT,
     FORMAT_VERSION_TAG,
     VERSION_TAG,
-    cut_tag_value,
+    bytes_tag,
     handles_tag,
-    manifest_synced_tag,
-    metric_key,
     module_type_tag,
     origin_tag,
     tag_key,
 )
 from .report import SyncReport
-from .rundir import NormSeries, created_ms, file_damage, file_digest, load_manifests, norm_fields, read_series
+from .rundir import created_ms, file_damage, file_digest, load_manifests, norm_fields, read_series
+from .runpage import handle_tags, norm_points
+from .syncstate import SyncState
 
 __all__ = ["PassMode", "Uploader"]
 
@@ -95,13 +93,11 @@ class _FileUpload:
         artifact: its artifact path (``hookline/<file>``).
         local: the local file.
         digest: its ``<size>:<sha256>``.
-        synced_tag: the tag that records the digest once uploaded.
     """
 
     artifact: str
     local: Path
     digest: str
-    synced_tag: str
 
 
 class Uploader:
@@ -131,7 +127,7 @@ class Uploader:
         if not re.fullmatch(r"[\w\-]+", run_id):
             raise InvalidArgumentError(
                 f"MLflow run id {run_id!r} is not valid: pass the 32-hex id of an existing run "
-                "(e.g. mlflow.start_run().info.run_id or `mlflow runs list`)"
+                "(e.g. mlflow.start_run().info.run_id or `mlflow runs list --experiment-id <id>`)"
             )
         if rank is not None and (not isinstance(rank, int) or rank < 0):
             raise InvalidArgumentError(f"rank {rank!r} is not valid: pass a non-negative int or None")
@@ -146,6 +142,7 @@ class Uploader:
         self._client_lock = threading.Lock()
         self._pass_lock = threading.Lock()
         self._hashes: dict[Path, tuple[tuple[int, int], str]] = {}  # file digests, by (size, mtime)
+        self.state: SyncState | None = None  # the run's sync record, read once (this uploader updates it)
 
     @property
     def client(self) -> Any:
@@ -196,6 +193,8 @@ class _Pass:
         self.hashes = hashes
         self.client: Any = None
         self.tags_now: dict[str, str] = {}
+        self.params_now: dict[str, str] = {}
+        self.state = SyncState(up.rank)  # (read only by passes that upload files)
         self.manifests: list[tuple[Path, dict]] = []
         self.plans: list[_HandlePlan] = []
         #: handles (id, rank) whose file is refused: outside the run, or damaged (no upload, no tags)
@@ -207,8 +206,13 @@ class _Pass:
         self.manifests = load_manifests(self.run_dir, self.rank)
         self.client = self.up.client
         check_reachable(tracking_uri_of(self.client))  # fail in seconds, not after MLflow's minutes of retries
-        self.tags_now = dict(get_run(self.client, self.run_id).data.tags)
-        origin = _check_origin(self.run_id, self.run_dir, self.manifests, self.tags_now)
+        data = get_run(self.client, self.run_id).data
+        self.tags_now, self.params_now = dict(data.tags), dict(data.params)
+        origin = _check_origin(self.run_id, self.run_dir, self.manifests, self.tags_now, self.params_now)
+        if self.mode != PassMode.METRICS:
+            if self.up.state is None:
+                self.up.state = SyncState.load(self.client, self.run_id, self.rank, self.tags_now)
+            self.state = self.up.state
         self.plans = self._plan_handles()
         uploads = self._files_to_upload()
         running = _ParallelUploads(self.client, self.run_id, uploads, self.up.max_workers)
@@ -218,11 +222,13 @@ class _Pass:
             if self._run is not None:
                 self._run.close()
             results = running.wait()
-        tags.update(self._note_uploads(uploads, results))
-        tags.update(self._run_tags(origin, type_tags))
-        self._send_tags(tags)
-        if self.mode != PassMode.METRICS and not self.report.errors and not self.report.pending:
-            self._upload_manifests()  # last: after the files they describe
+        self._note_uploads(uploads, results)
+        tags.update(self._run_tags(type_tags))
+        if self.mode != PassMode.METRICS:
+            if not self.report.errors and not self.report.pending:
+                self._upload_manifests()  # last: after the files they describe
+            tags.update(self._save_state())
+        self._send_tags(tags, {k: v for k, v in origin.items() if self.params_now.get(k) != v})
 
     # -- step 1: handles and files ---------------------------------------------------------------
 
@@ -234,7 +240,7 @@ class _Pass:
         return plans
 
     def _files_to_upload(self) -> list[_FileUpload]:
-        """The handle files whose digest differs from their ``synced`` tag; the others are
+        """The handle files whose digest differs from the sync record's; the others are
         reported as skipped, pending (mid-run) or missing (final pass)."""
         uploads: list[_FileUpload] = []
         if self.mode == PassMode.METRICS:
@@ -261,13 +267,12 @@ class _Pass:
                     self.report.pending.append(apath)
                 continue
             digest = file_digest(local, self.hashes)
-            skey = tag_key(plan.handle_id, "synced", rank=plan.rank)
-            if self.tags_now.get(skey) == digest:
+            if self.state.get(apath) == digest:
                 self.report.skipped.append(apath)
                 continue
             damage = file_damage(local, plan.handle_id, plan.entry, exact=self.mode == PassMode.FINAL)
             if damage is None:
-                uploads.append(_FileUpload(apath, local, digest, skey))
+                uploads.append(_FileUpload(apath, local, digest))
             else:
                 self._refuse(plan, f"handle {plan.handle_id!r}: file {str(local)!r} is damaged ({damage}); "
                                    "not uploaded (run `hookline verify --repair` on the run directory, then sync again)")
@@ -278,24 +283,27 @@ class _Pass:
         self.report.errors.append(why)
         self.refused.add((plan.handle_id, plan.rank))
 
-    def _note_uploads(self, uploads: list[_FileUpload], errors: list[str | None]) -> dict[str, str]:
-        """Report the finished uploads; the ``synced`` tags of the files uploaded now and the
-        ``artifact`` tags of every handle whose file is in the run."""
-        tags = {}
+    def _note_uploads(self, uploads: list[_FileUpload], errors: list[str | None]) -> None:
+        """Report the finished uploads and record their digests in the sync record."""
         for up, err in zip(uploads, errors):
             if err is None:
                 self.report.uploaded.append(up.artifact)
-                tags[up.synced_tag] = up.digest
+                self.state.put(up.artifact, up.digest)
             else:
                 self.report.errors.append(f"upload of {up.artifact!r} failed: {err}")
-        for plan in self.plans:
-            skey = tag_key(plan.handle_id, "synced", rank=plan.rank)
-            if (plan.handle_id, plan.rank) in self.refused:
-                continue
-            if plan.entry.get("file") and (skey in tags or skey in self.tags_now):
-                tags[tag_key(plan.handle_id, "artifact", rank=plan.rank)] = \
-                    f"{ARTIFACT_ROOT}/{Path(plan.entry['file']).as_posix()}"
-        return tags
+
+    def _save_state(self) -> dict[str, str]:
+        """Upload the sync record if it changed; the ``hookline.bytes`` tag that goes with it."""
+        try:
+            saved = self.state.save(self.client, self.run_id)
+        except TrackingError as e:
+            self.report.errors.append(str(e))
+            return {}
+        key = bytes_tag(self.rank)
+        if not saved and key not in self.tags_now:
+            return {}
+        files = [f"{ARTIFACT_ROOT}/{Path(p.entry['file']).as_posix()}" for p in self.plans if p.entry.get("file")]
+        return {key: str(self.state.size_of(files))}
 
     # -- step 2: norm metrics --------------------------------------------------------------------
 
@@ -318,8 +326,8 @@ class _Pass:
                     self.report.errors.append(f"handle {plan.handle_id!r}: reading norms failed: {short_error(e)} "
                                               "(run `hookline verify` on the run directory)")
                     continue
-                metrics.extend(self._norm_points(plan, series))
-            tags.update(self._handle_tags(plan, max(n_total, done)))
+                metrics.extend(norm_points(plan.handle_id, series, created_ms(plan.manifest), rank=plan.rank))
+            tags.update(handle_tags(plan.handle_id, max(n_total, done), rank=plan.rank))
             t = module_type_tag(plan.entry.get("module_type"))
             if t:
                 type_tags.add(t)
@@ -345,51 +353,10 @@ class _Pass:
         except ValueError:
             return 0
 
-    @staticmethod
-    def _norm_points(plan: _HandlePlan, series: list[NormSeries]) -> list[Any]:
-        """The metric points of the new entries, and each field's ``norm_max``/``norm_last``."""
-        from mlflow.entities import Metric
-
-        created = created_ms(plan.manifest)
-        hid, rank = plan.handle_id, plan.rank
-        points = []
-        for sr in series:
-            if not len(sr.steps):
-                continue
-            key = metric_key(hid, sr.base, "norm", rank=rank)
-            points.extend(Metric(key, float(v), created + int(r), int(st))
-                          for r, st, v in zip(sr.records, sr.steps, sr.norms))
-            # summaries over all entries, at the largest step so far (MLflow shows the value at the
-            # largest step: steps that restart per epoch must not hide a newer summary) and the last
-            # entry's (deterministic) timestamp: a repeat is an identical point, which the store drops
-            finite = sr.all_norms[~np.isnan(sr.all_norms)]
-            vmax = float(finite.max()) if finite.size else float("nan")
-            ts, st = created + int(sr.all_records[-1]), int(sr.all_steps.max())
-            points.append(Metric(metric_key(hid, sr.base, "norm_max", rank=rank), vmax, ts, st))
-            points.append(Metric(metric_key(hid, sr.base, "norm_last", rank=rank), float(sr.all_norms[-1]), ts, st))
-        return points
-
     # -- step 3: tags ----------------------------------------------------------------------------
 
-    @staticmethod
-    def _handle_tags(plan: _HandlePlan, records: int) -> dict[str, str]:
-        entry = plan.entry
-        fields = entry.get("fields", {}) or {}
-        vals = {
-            "id": plan.handle_id,
-            "module": entry.get("module_name"),
-            "module_type": entry.get("module_type"),
-            "category": entry.get("category"),
-            "fields": json.dumps(sorted(fields)),
-            "shape": json.dumps({f: (v or {}).get("shape") for f, v in sorted(fields.items())}),
-            "dtype": json.dumps({f: (v or {}).get("dtype") for f, v in sorted(fields.items())}),
-            "records": str(records),
-        }
-        return {tag_key(plan.handle_id, k, rank=plan.rank): cut_tag_value(str(v))
-                for k, v in vals.items() if v is not None}
-
-    def _run_tags(self, origin: dict[str, str], type_tags: set[str]) -> dict[str, str]:
-        tags = dict(origin)
+    def _run_tags(self, type_tags: set[str]) -> dict[str, str]:
+        tags = {}
         tags[VERSION_TAG] = _version()
         fmt = {str(m.get("format_version")) for _, m in self.manifests if m.get("format_version") is not None}
         if fmt:
@@ -399,15 +366,16 @@ class _Pass:
             tags[t] = "true"
         return tags
 
-    def _send_tags(self, tags: dict[str, str]) -> None:
-        """Log the tags whose value the run does not have yet, in one request."""
+    def _send_tags(self, tags: dict[str, str], params: dict[str, str] | None = None) -> None:
+        """Log the tags whose value the run does not have yet (and new params), in one request."""
         changed = {k: v for k, v in tags.items() if self.tags_now.get(k) != v}
-        if not changed:
+        if not changed and not params:
             return
-        from mlflow.entities import RunTag
+        from mlflow.entities import Param, RunTag
 
         try:
-            self.client.log_batch(self.run_id, tags=[RunTag(k, v) for k, v in changed.items()], synchronous=True)
+            self.client.log_batch(self.run_id, tags=[RunTag(k, v) for k, v in changed.items()],
+                                  params=[Param(k, v) for k, v in (params or {}).items()], synchronous=True)
         except Exception as e:  # noqa: BLE001
             raise TrackingError(f"logging {len(changed)} tags failed: {short_error(e)}") from e
         self.report.tags += len(changed)
@@ -415,12 +383,10 @@ class _Pass:
     # -- step 4: manifests -----------------------------------------------------------------------
 
     def _upload_manifests(self) -> None:
-        synced = {}
         for mpath, _man in self.manifests:
             digest = file_digest(mpath, self.hashes)
-            mkey = manifest_synced_tag(mpath.name)
             apath = f"{ARTIFACT_ROOT}/{mpath.name}"
-            if self.tags_now.get(mkey) == digest:
+            if self.state.get(apath) == digest:
                 self.report.skipped.append(apath)
                 continue
             try:
@@ -429,8 +395,7 @@ class _Pass:
                 self.report.errors.append(f"upload of {apath!r} failed: {short_error(e)}")
                 continue
             self.report.uploaded.append(apath)
-            synced[mkey] = digest
-        self._send_tags(synced)
+            self.state.put(apath, digest)
 
 
 class _ParallelUploads:
@@ -486,8 +451,9 @@ class _ParallelUploads:
 
 
 def _check_origin(run_id: str, run_dir: Path, manifests: list[tuple[Path, dict]],
-                 tags_now: dict[str, str]) -> dict[str, str]:
-    """The run's ``hookline.origin`` tags (each rank's run directory, by its manifest's ``run_uuid``).
+                  tags_now: dict[str, str], params_now: dict[str, str]) -> dict[str, str]:
+    """The run's ``hookline.origin`` params (each rank's run directory, by its manifest's
+    ``run_uuid``; a param, since it never changes; runs synced before were tagged instead).
 
     Raises:
         DuplicateNameError: the MLflow run already holds another run directory: its handle files
@@ -500,7 +466,7 @@ def _check_origin(run_id: str, run_dir: Path, manifests: list[tuple[Path, dict]]
         mine = run_identity(man)
         if not mine:
             continue  # identity unknown (a manifest rebuilt from old files): neither checked nor set
-        have = tags_now.get(key)
+        have = params_now.get(key, tags_now.get(key))
         if have is not None and have != mine:
             raise DuplicateNameError(
                 f"MLflow run {run_id!r} already holds the hookline data of another run directory "

@@ -341,6 +341,9 @@ class OpenPart:
         """Write everything staged and every index; close the file (still ``.partial``)."""
         self.tools.current = self.partial
         for sf in self.fields.values():
+            if sf.out is None:  # (all of the field's records in this file are staged: chunks sized to them)
+                sf.out = self.file().field(sf.spec, max(1, sf.staged_items))
+                sf.chunk_items = sf.out.chunk[0]
             self.write_out(sf, full_only=False)
             out = self._ensure_out(sf)
             out.records.append(np.asarray(sf.records, np.int64))

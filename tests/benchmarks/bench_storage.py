@@ -69,10 +69,11 @@ def bench_tofile(d: Path, n: int, pool: list[np.ndarray], kick_bytes: int = 0) -
     return dt
 
 
-def bench_writer(d: Path, n: int, pool: list[np.ndarray], flush_every: int | None = None) -> float:
+def bench_writer(d: Path, n: int, pool: list[np.ndarray], flush_every: int | None = None,
+                 compression: str | None = None) -> float:
     run = d / "run"
     t0 = time.perf_counter()
-    w = RunWriter(run, max_buffer_mb=256)
+    w = RunWriter(run, max_buffer_mb=256, compression=compression)
     w.add_handle(HID)
     for i in range(n):
         # The writer takes ownership; a recorder hands over fresh copies, so do we (copy cost
@@ -331,6 +332,7 @@ def main() -> None:
     ap.add_argument("--compression", action="store_true", help="only the compression comparison")
     ap.add_argument("--throughput-only", action="store_true", help="only the throughput tables")
     ap.add_argument("--stall-only", action="store_true", help="only the training-thread stall comparison")
+    ap.add_argument("--record-kib", type=int, default=None, help="throughput: only this record size (KiB)")
     args = ap.parse_args()
     d = Path(tempfile.mkdtemp(prefix="hookline-bench-", dir=args.dir))
     try:
@@ -342,16 +344,18 @@ def main() -> None:
         if args.stall_only:
             _print_stall(bench_stall(d, n=400))
             return
-        for shape in (REC_SHAPE, SMALL_SHAPE):
+        shapes = (REC_SHAPE, SMALL_SHAPE) if args.record_kib is None else ((args.record_kib * 256 // 1024, 1024),)
+        for shape in shapes:
             pool = _records(shape=shape)
             n = int(args.write_gb * (1 << 30) / pool[0].nbytes)
             if shape == SMALL_SHAPE:
                 n //= 2
-            keys = ("tofile", "tofile_kick", "writer", "writer_flush", "naive")
+            keys = ("tofile", "tofile_kick", "writer", "writer_checksum", "writer_flush", "naive")
             res: dict[str, list[float]] = {k: [] for k in keys}
             flush_every = (64 << 20) // pool[0].nbytes  # a flush every 64 MiB
             runs = {"tofile": lambda: bench_tofile(d, n, pool),
                     "tofile_kick": lambda: bench_tofile(d, n, pool, WRITEBACK_BYTES), "writer": lambda: bench_writer(d, n, pool),
+                    "writer_checksum": lambda: bench_writer(d, n, pool, compression="none+checksum"),
                     "writer_flush": lambda: bench_writer(d, n, pool, flush_every=flush_every),
                     "naive": lambda: bench_naive(d, n, pool)}
             for rep in range(args.repeats):
@@ -363,6 +367,7 @@ def main() -> None:
             paired = {k: float(np.median([a / b for a, b in zip(res["tofile"], res[k])])) for k in keys}
             paired_naive = float(np.median([a / b for a, b in zip(res["naive"], res["writer"])]))
             paired_kick = float(np.median([a / b for a, b in zip(res["tofile_kick"], res["writer"])]))
+            paired_ck = float(np.median([a / b for a, b in zip(res["writer"], res["writer_checksum"])]))
             gb = n * pool[0].nbytes / 2**30
             print(f"== throughput ({gb:.2f} GiB of {pool[0].nbytes >> 10} KiB float32 records, median of "
                   f"{args.repeats}, fsync included)")
@@ -372,6 +377,7 @@ def main() -> None:
             print(f"  RATIO writer / tofile            = {paired['writer']:.2f}x   (target >= 0.7)")
             print(f"  RATIO writer / (tofile + same writeback kicks) = {paired_kick:.2f}x")
             print(f"  RATIO writer(flush/64MiB) / tofile = {paired['writer_flush']:.2f}x")
+            print(f"  RATIO writer + checksums / writer = {paired_ck:.2f}x   (on by default if >= 0.95)")
             print(f"  RATIO writer / naive h5py        = {paired_naive:.2f}x   (target >= 3)")
         if args.throughput_only:
             return

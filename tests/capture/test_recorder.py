@@ -468,6 +468,7 @@ def test_write_error_surfaces_at_next_step_and_keeps_flushed(tmp_path, monkeypat
         raise OSError(errno.ENOSPC, "No space left on device (simulated)")
 
     monkeypatch.setattr(_h5write.FieldOut, "append", failing)
+    monkeypatch.setattr(_h5write.FieldOut, "append_records", failing)  # (a one-record chunk's path)
     with rec.step(3):
         model(torch.randn(2, 4))
     with pytest.raises(StorageError, match="28|space"):

@@ -44,6 +44,13 @@ def _history(client, run_id: str, key: str) -> list[tuple[int, float]]:
     return sorted((m.step, m.value) for m in client.get_metric_history(run_id, key))
 
 
+def _sync_record(client, run_id: str, dst: Path) -> dict[str, str]:
+    """The files the run's sync record (artifact ``hookline/sync.json``) lists, with their digests."""
+    dst.mkdir(parents=True, exist_ok=True)
+    got = client.download_artifacts(run_id, "hookline/sync.json", dst_path=str(dst))
+    return json.loads(Path(got).read_text())["files"]
+
+
 # --------------------------------------------------------------------------------------------
 # naming (no store)
 # --------------------------------------------------------------------------------------------
@@ -64,15 +71,15 @@ def test_keys_are_valid_and_collision_free_for_awkward_ids():
     for hid in ids:
         for rank in (None, 0, 1):
             for f in ("outputs.0", "grad_out.0", "x" * 200):
-                for stat in ("norm", "norm_max", "norm_last"):
+                for stat in ("norm", "norm_max"):
                     k = metric_key(hid, f, stat, rank=rank)
                     assert re.fullmatch(r"[/\w.\- ]*", k) and len(k) <= 250, k
                     keys.add(k)
-            for name in ("id", "records", "synced"):
+            for name in ("id", "records"):
                 k = tag_key(hid, name, rank=rank)
                 assert re.fullmatch(r"[/\w.\- ]*", k) and len(k) <= 250, k
                 keys.add(k)
-    assert len(keys) == len(ids) * 3 * (9 + 3)
+    assert len(keys) == len(ids) * 3 * (6 + 2)
 
 
 def test_parse_run_uri_forms_and_errors():
@@ -161,26 +168,34 @@ def test_sync_uploads_files_tags_and_metrics(store, new_run, tmp_path):
     for rel in ("outputs/blocks.0.h5", "grads/blocks.0.h5", "manifest.json"):
         got = client.download_artifacts(rid, f"hookline/{rel}", dst_path=str(dl))
         assert sha256(Path(got)) == sha256(built.path / rel)
-    tags = client.get_run(rid).data.tags
+    run = client.get_run(rid)
+    tags = run.data.tags
+    # per handle: its id and its record count; nothing else (the rest is in the manifest)
+    assert {k: v for k, v in tags.items() if k.startswith("hookline.grads/")} == {
+        tag_key("grads[blocks.0]", "id"): "grads[blocks.0]",
+        tag_key("grads[blocks.0]", "records"): "6",
+    }
     assert tags[tag_key("outputs[blocks.0]", "id")] == "outputs[blocks.0]"
-    assert tags[tag_key("grads[blocks.0]", "module_type")] == LINEAR
-    assert tags[tag_key("grads[blocks.0]", "category")] == "backward_hook"
-    assert tags[tag_key("grads[blocks.0]", "records")] == "6"
-    assert tags[tag_key("grads[blocks.0]", "artifact")] == "hookline/grads/blocks.0.h5"
-    assert tags[tag_key("outputs[blocks.0]", "fields")] == '["outputs.0"]'
-    assert tags[tag_key("outputs[blocks.0]", "shape")] == '{"outputs.0": [4, 3]}'
-    assert tags[tag_key("outputs[blocks.0]", "dtype")] == '{"outputs.0": "float32"}'
     assert tags["hookline.has.Linear"] == "true" and tags["hookline.handles"] == "2"
     assert tags["hookline.format_version"] == "1"
-    # per-step norm series and summaries
+    # bookkeeping: the digests in the sync record, the total size in one run tag, the origin a param
+    files = ("outputs/blocks.0.h5", "grads/blocks.0.h5", "manifest.json")
+    digests = {f"hookline/{rel}": f"{(built.path / rel).stat().st_size}:{sha256(built.path / rel)}" for rel in files}
+    assert _sync_record(client, rid, tmp_path / "state") == digests
+    assert tags["hookline.bytes"] == str(sum((built.path / rel).stat().st_size for rel in files[:2]))
+    assert not any(":" in v and len(v) > 64 for v in tags.values()), tags  # no digest is a tag
+    assert run.data.params["hookline.origin"] == json.loads((built.path / "manifest.json").read_text())["run_uuid"]
+    # per-step norm series and their running maximum: a line each, no single-point metric
+    assert set(run.data.metrics) == {metric_key(h, built.fields[h], s) for h in built.data for s in ("norm", "norm_max")}
     for hid in ("outputs[blocks.0]", "grads[blocks.0]"):
         f = built.fields[hid]
         hist = _history(client, rid, metric_key(hid, f))
         assert [s for s, _ in hist] == list(built.steps[hid])
         np.testing.assert_allclose([v for _, v in hist], built.norms(hid), rtol=1e-5)
-        metrics = client.get_run(rid).data.metrics
-        assert metrics[metric_key(hid, f, "norm_max")] == pytest.approx(built.norms(hid).max(), rel=1e-5)
-        assert metrics[metric_key(hid, f, "norm_last")] == pytest.approx(built.norms(hid)[-1], rel=1e-5)
+        mx = _history(client, rid, metric_key(hid, f, "norm_max"))
+        assert [s for s, _ in mx] == list(built.steps[hid])
+        np.testing.assert_allclose([v for _, v in mx], np.maximum.accumulate(built.norms(hid)), rtol=1e-5)
+        assert run.data.metrics[metric_key(hid, f, "norm_max")] == pytest.approx(built.norms(hid).max(), rel=1e-5)
 
 
 def test_sync_is_idempotent(store, new_run, tmp_path):
@@ -191,15 +206,18 @@ def test_sync_is_idempotent(store, new_run, tmp_path):
     again = sync(built.path, rid, tracking_uri=store)
     assert again.ok and again.uploaded == [] and again.metrics == 0 and again.tags == 0
     assert len(again.skipped) == 3
-    # lose the bookkeeping (as if a pass died between logging metrics and tags): still no duplicates
+    # lose the bookkeeping (as if a pass died between logging metrics and tags, and between
+    # uploading a file and recording it): still no duplicates
     client.delete_tag(rid, tag_key("grads[blocks.0]", "records"))
-    client.delete_tag(rid, tag_key("grads[blocks.0]", "synced"))
+    record = _sync_record(client, rid, tmp_path / "state")
+    del record["hookline/grads/blocks.0.h5"]
+    client.log_text(rid, json.dumps({"format": "hookline-sync", "files": record}), "hookline/sync.json")
     third = sync(built.path, rid, tracking_uri=store)
     assert third.ok and third.uploaded == ["hookline/grads/blocks.0.h5"] and third.metrics > 0
     for hid in ("outputs[blocks.0]", "grads[blocks.0]"):
-        for stat in ("norm", "norm_max", "norm_last"):
+        for stat in ("norm", "norm_max"):
             hist = client.get_metric_history(rid, metric_key(hid, built.fields[hid], stat))
-            assert len(hist) == (4 if stat == "norm" else 1), (hid, stat, hist)
+            assert len(hist) == 4, (hid, stat, hist)
     assert len(client.list_artifacts(rid, "hookline/grads")) == 1
 
 
@@ -276,7 +294,7 @@ def test_adapter_submit_never_blocks_and_close_uploads(store, new_run, tmp_path)
     assert final.ok and len(final.uploaded) == 3
     assert adapter.close() is final  # idempotent
     assert len(client.get_metric_history(rid, metric_key("grads[blocks.0]", "grad_out.0"))) == 3
-    assert client.get_run(rid).data.tags[tag_key("outputs[blocks.0]", "artifact")] == "hookline/outputs/blocks.0.h5"
+    assert "hookline/outputs/blocks.0.h5" in _sync_record(client, rid, tmp_path / "state")
 
 
 def test_ranked_runs_keep_ranks_apart(store, new_run, tmp_path):
@@ -387,13 +405,13 @@ def test_server_killed_mid_run_then_sync_completes_without_duplicates(mlflow_ser
     for hid in built.data:
         hist = _history(client, rid, metric_key(hid, built.fields[hid]))
         assert [s for s, _ in hist] == list(built.steps[hid])  # every step exactly once
-        # the running max has one point per pass that saw new records (steps 30 and 70), none twice
+        # the running max has a point per record, none twice, across the passes
         mx = _history(client, rid, metric_key(hid, built.fields[hid], "norm_max"))
-        assert [s for s, _ in mx] == [30, 70]
+        assert [s for s, _ in mx] == list(built.steps[hid])
         assert mx[-1][1] == pytest.approx(built.norms(hid).max(), rel=1e-6)
     tags = client.get_run(rid).data.tags
     assert tags[tag_key("grads[blocks.0]", "records")] == "8"
-    assert tags[tag_key("grads[blocks.0]", "artifact")] == "hookline/grads/blocks.0.h5"
+    assert "hookline/grads/blocks.0.h5" in _sync_record(client, rid, tmp_path / "state")
 
 
 def _closed_port() -> int:
@@ -553,8 +571,9 @@ def test_summaries_stay_current_when_steps_restart(sqlite_tracking_uri, tmp_path
     assert adapter.close(timeout=60).ok  # the final pass
     got = client.get_run(rid).data.metrics
     assert got[metric_key("grads[fc]", "grad_out.0", "norm_max")] == pytest.approx(max(norms), rel=1e-5)
-    assert got[metric_key("grads[fc]", "grad_out.0", "norm_last")] == pytest.approx(norms[-1], rel=1e-5)
     key = metric_key("grads[fc]", "grad_out.0", "norm_max")
+    mx = [m.value for m in sorted(client.get_metric_history(rid, key), key=lambda m: m.timestamp)]
+    np.testing.assert_allclose(mx, np.maximum.accumulate(norms), rtol=1e-5)  # a line: every record's running max
     assert client.search_runs(["0"], filter_string=f"metrics.`{key}` > 50")
 
 
@@ -636,7 +655,7 @@ def test_partial_fields_and_stats_mode_fields(sqlite_tracking_uri, tmp_path):
     np.testing.assert_allclose([v for _, v in hs], norms, rtol=1e-6)
     keys = set(client.get_run(rid).data.metrics)
     assert not any("mean" in k for k in keys), keys
-    assert json.loads(client.get_run(rid).data.tags[tag_key("grads[fc]", "fields")]) == ["grad_in.0", "grad_out.0"]
+    assert {metric_key("grads[fc]", f) for f in ("grad_in.0", "grad_out.0")} <= keys
 
 
 def test_one_failed_upload_is_reported_and_retried_alone(sqlite_tracking_uri, tmp_path):
@@ -659,8 +678,7 @@ def test_one_failed_upload_is_reported_and_retried_alone(sqlite_tracking_uri, tm
     rep = ei.value.report
     assert rep.uploaded == ["hookline/outputs/blocks.0.h5"] and rep.metrics > 0
     assert "hookline/manifest.json" not in rep.uploaded  # the manifest waits for every file
-    tags = client.get_run(rid).data.tags
-    assert tag_key("grads[blocks.0]", "artifact") not in tags
+    assert set(_sync_record(client, rid, tmp_path / "state")) == {"hookline/outputs/blocks.0.h5"}
     again = sync(built.path, rid, tracking_uri=sqlite_tracking_uri)
     assert again.ok and sorted(again.uploaded) == ["hookline/grads/blocks.0.h5", "hookline/manifest.json"]
     assert again.metrics == 0

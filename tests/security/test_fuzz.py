@@ -344,8 +344,13 @@ def mlflow_experiment(mlflow_server: str) -> tuple[Any, str, str]:
     return client, client.create_experiment(f"hookline-fuzz-{uuid.uuid4().hex[:8]}"), mlflow_server
 
 
+#: hookline's own sync record in the MLflow run (no file of the run: its digests of what it uploaded)
+SYNC_RECORD = "hookline/sync.json"
+
+
 def _artifacts(client: Any, rid: str, dest: Path) -> dict[str, str]:
-    """sha256 of every artifact of the MLflow run (downloaded), by artifact path."""
+    """sha256 of every artifact of the MLflow run (downloaded), by artifact path; for the sync
+    record, its ``files`` (artifact path -> sha256) as JSON."""
     out, todo = {}, [None]
     while todo:
         for a in client.list_artifacts(rid, todo.pop()):
@@ -353,7 +358,11 @@ def _artifacts(client: Any, rid: str, dest: Path) -> dict[str, str]:
                 todo.append(a.path)
             else:
                 got = Path(client.download_artifacts(rid, a.path, str(dest)))
-                out[a.path] = hashlib.sha256(got.read_bytes()).hexdigest()
+                if a.path == SYNC_RECORD:
+                    files = json.loads(got.read_text())["files"]
+                    out[a.path] = json.dumps({k: v.split(":", 1)[1] for k, v in files.items()})
+                else:
+                    out[a.path] = hashlib.sha256(got.read_bytes()).hexdigest()
     return out
 
 
@@ -364,6 +373,11 @@ def judge_uploads(case: Case, bases: Bases, uploaded: dict[str, str], damaged: s
     mine = file_digests(case.run)
     outside = {sha: rel for rel, sha in case.theirs.digests.items()}
     for apath, sha in sorted(uploaded.items()):
+        if apath == SYNC_RECORD:  # (it must list what the run holds, by digest)
+            listed = json.loads(sha)
+            if listed != {a: uploaded.get(a) for a in listed}:
+                fails.append(f"[sync-record] sync: {apath} lists {sorted(listed)}, not what the run holds")
+            continue
         if sha in outside:
             fails.append(f"[outside] sync: artifact {apath!r} holds the sentinel's {outside[sha]!r}")
         elif sha not in mine.values():

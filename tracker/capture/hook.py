@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 import numpy as np
 import torch
@@ -21,7 +21,10 @@ from hookline.storage.errors import HookTypeError, InvalidArgumentError
 from hookline.storage.keys import check_name
 
 from hookline.tracker.hooks.handles import HookHandle, passive
+from hookline.tracker.hooks.pytree import Leaves
 
+from .compiled import TARGETS, record_in_graph
+from .recompute import is_recomputing
 from .stats import StatsSpec
 
 __all__ = ["Binding", "CaptureHook", "CaptureOptions", "CaptureSink", "Groups", "KIND_CATEGORIES"]
@@ -101,12 +104,15 @@ class Binding:
         handle_id: its id, ``"<hook name>[<module name>]"`` (the writer handle's name).
         category: the manager category it was registered as (``"forward_hook"``...).
         options: the capture options of the hook.
+        token: names the binding to compiled graphs (``hookline::record`` ops, see
+            :mod:`.compiled`).
     """
 
     handle: HookHandle
     handle_id: str
     category: str
     options: CaptureOptions
+    token: int = 0
 
 
 #: What one firing hands its sink: ``(group, leaves)`` pairs, the group being ``"inputs"``,
@@ -134,8 +140,11 @@ class CaptureHook:
     Its ``repr`` is its short name, so handle ids read ``outputs[blocks.0]``.
     """
 
-    def __init__(self, sink: CaptureSink, options: CaptureOptions, name: str | None = None) -> None:
+    def __init__(self, sink: CaptureSink, options: CaptureOptions, name: str | None = None,
+                 unscale: Callable[[Leaves], Leaves] | None = None) -> None:
         self._sink = sink
+        # grads under a GradScaler: the gradients divided by the scale (see .scaler)
+        self._unscale = unscale if options.kind == "grads" else None
         self.options = options
         self.name = name or options.default_name()
         # Its name becomes part of every handle id it records under: checked now, not at registration.
@@ -173,6 +182,7 @@ class CaptureHook:
         binding = Binding(handle=handle, handle_id=handle.name, category=category, options=self.options)
         self._bindings[key] = binding
         self._sink.bind(binding)
+        binding.token = TARGETS.add(self._record_compiled, binding)
 
     def _hookline_unbind(self, handle: HookHandle) -> None:
         """Called by HookManager when a handle of this hook is removed."""
@@ -180,11 +190,13 @@ class CaptureHook:
         binding = self._bindings.get(key)
         if binding is not None and binding.handle is handle:
             del self._bindings[key]
+            TARGETS.discard(binding.token)
             self._sink.unbind(binding)
 
     # --- hook entry points --------------------------------------------------------------
     def __call__(self, module: torch.nn.Module, *args: Any) -> None:
-        t0 = time.perf_counter_ns()
+        compiling = _is_compiling()
+        t0 = 0 if compiling else time.perf_counter_ns()  # (Dynamo cannot trace the clock)
         kind = self.options.kind
         # The manager calls pre hooks with (inputs,), forward hooks with (inputs, outputs) and
         # backward hooks with (grad_in, grad_out).
@@ -196,12 +208,24 @@ class CaptureHook:
                 f"HookManager ({type(module).__name__}); register it with "
                 f"HookManager.register_*_hook(rec.{self.options.kind}, ...)"
             )
-        groups: Groups
         if kind == "grads":
-            groups = (("grad_in", args[0]), ("grad_out", args[1]))
-        elif kind == "inputs":
-            groups = (("inputs", args[0]),)
-        else:
-            groups = (("outputs", args[1]),)
-        self._sink.record(binding, groups, t0)
+            grad_in, grad_out = args
+            if self._unscale is not None:
+                grad_in, grad_out = self._unscale(grad_in), self._unscale(grad_out)
+            self._sink.record(binding, (("grad_in", grad_in), ("grad_out", grad_out)), t0)
+            return None
+        leaves = args[0] if kind == "inputs" else args[1]
+        if compiling:
+            # Dynamo is tracing the module: record when the compiled graph runs (.compiled).
+            record_in_graph(binding.token, leaves)
+        elif not is_recomputing():  # checkpointing's recomputed forward is not a new call
+            self._sink.record(binding, ((kind, leaves),), t0)
         return None
+
+    def _record_compiled(self, binding: Binding, leaves: Leaves, t0: int) -> None:
+        """A forward firing recorded from inside a compiled graph (the ``hookline::record`` op)."""
+        if not is_recomputing():
+            self._sink.record(binding, ((self.options.kind, leaves),), t0)
+
+
+_is_compiling = torch.compiler.is_compiling

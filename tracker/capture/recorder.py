@@ -24,12 +24,16 @@ from .hook import CaptureHook, CaptureOptions
 from .packer import BlockPacker
 from .run import check_meta, check_run_dir, refuse_held_run, run_metadata
 from .sampling import StepState, check_sampling, check_step
+from .scaler import GradUnscaler, InfSteps, check_scaler
 from .stats import StatsSpec
 from .summary import RecorderSummary
 
 __all__ = ["Recorder"]
 
 log = logging.getLogger("hookline")
+
+#: Run metadata key: the steps whose GradScaler found inf/NaN (``grad_scaler=``).
+_INF_KEY = "found_inf_steps"
 
 
 class Recorder:
@@ -72,6 +76,11 @@ class Recorder:
         resume: continue a run this directory already holds (e.g. after a crash: each handle
             appends after its last durable record). Without it, a directory that holds a run
             is refused, so two runs are never mixed by a reused name.
+        grad_scaler: the ``torch.amp.GradScaler`` the loss is scaled with: gradients (and their
+            stats) are recorded divided by the scale in effect for their backward pass, in
+            float32 (float64 stays float64), without a device synchronisation in hooks; the
+            steps whose scaler found inf/NaN are listed in the run metadata
+            (``found_inf_steps``). Expects one ``scaler.update()`` per recorder step.
     """
 
     def __init__(
@@ -90,10 +99,15 @@ class Recorder:
         meta: dict[str, Any] | None = None,
         stats: StatsSpec | None = None,
         resume: bool = False,
+        grad_scaler: torch.amp.GradScaler | None = None,
     ) -> None:
         self.run_dir = check_run_dir(run_dir)
         self.every, self.steps = every, steps = check_sampling(every, steps)
         check_meta(meta)
+        self.grad_scaler = check_scaler(grad_scaler)
+        if grad_scaler is not None and meta and _INF_KEY in meta:
+            raise InvalidArgumentError(
+                f"meta key {_INF_KEY!r} is written by the recorder (grad_scaler=...); rename it")
         budget = Budget(max_buffer_mb)
         for arg, v in (("mlflow_run_id", mlflow_run_id), ("tracking_uri", tracking_uri)):
             if v is not None and not isinstance(v, str):
@@ -108,6 +122,8 @@ class Recorder:
         self.mlflow_run_id = mlflow_run_id
         self.tracking_uri = tracking_uri
         run_meta = run_metadata(every, steps, meta, mlflow_run_id)
+        if grad_scaler is not None:
+            run_meta[_INF_KEY] = []  # (the key exists from the start: later updates replace its value)
         self._mlflow = None
         if mlflow_run_id is not None:
             from hookline.storage import MlflowAdapter
@@ -139,9 +155,11 @@ class Recorder:
                                    check_fields=self._writer.reserve_fields, write_rows=self._writer.write_rows,
                                    make_room=self._writer.make_room)
         self._bindings = HandleBindings(self._state, self._writer, self._packer, self.stats_spec)
+        self._unscale = GradUnscaler(grad_scaler) if grad_scaler is not None else None
+        self._inf_steps = InfSteps(grad_scaler, self._note_inf_steps) if grad_scaler is not None else None
         self.inputs = CaptureHook(self._bindings, CaptureOptions("inputs"))
         self.outputs = CaptureHook(self._bindings, CaptureOptions("outputs"))
-        self.grads = CaptureHook(self._bindings, CaptureOptions("grads"))
+        self.grads = CaptureHook(self._bindings, CaptureOptions("grads"), unscale=self._unscale)
         # A recorder dropped without close() (hooks removed, last reference gone) still gets its
         # open blocks to disk and its files closed.
         self._collected = weakref.finalize(self, _close_collected, self._packer, self._writer, str(self.run_dir))
@@ -189,7 +207,7 @@ class Recorder:
             raise InvalidArgumentError("hook name must be a non-empty str, got ''")
         opts = CaptureOptions(kind, mode=mode, batch_slice=batch_slice, dtype=dtype,
                               stats=self.stats_spec if mode == "stats" else None)
-        return CaptureHook(self._bindings, opts, name)
+        return CaptureHook(self._bindings, opts, name, unscale=self._unscale)
 
     # --- steps and sampling ---------------------------------------------------------------
     def is_sampled(self, step: int) -> bool:
@@ -213,6 +231,8 @@ class Recorder:
         step = check_step(step)
         self._writer.raise_if_failed()
         self._packer.hand_over_stale()
+        if self._inf_steps is not None:
+            self._inf_steps.boundary(step)
         self._set_current(step)
 
     def _set_current(self, step: int) -> None:
@@ -259,6 +279,11 @@ class Recorder:
                 state.paused -= 1
                 self._bindings.suspend_all(state.holds_off)
 
+    def _note_inf_steps(self, steps: list[int]) -> None:
+        # The writer's run metadata goes into the manifest at the next flush/close; the value
+        # is replaced, never mutated (the writer thread may be serialising it).
+        self._writer.meta[_INF_KEY] = steps
+
     # --- lifecycle --------------------------------------------------------------------------
     def flush(self) -> None:
         """Block until everything captured so far is on disk (and readable after a crash).
@@ -266,6 +291,8 @@ class Recorder:
         With MLflow, also schedules a background update of the run's metrics and tags.
         """
         self._state.check_open()
+        if self._inf_steps is not None:
+            self._inf_steps.read(wait=True)
         failure: BaseException | None = None
         try:
             self._packer.drain()
@@ -313,6 +340,11 @@ class Recorder:
         except BaseException as e:  # noqa: BLE001 - re-raised below, after the collective
             failure = e
         self._state.closed = True
+        if self._inf_steps is not None:
+            try:
+                self._inf_steps.close()
+            except BaseException as e:  # noqa: BLE001 - the files are closed first
+                failure = failure or e
         # The recorder's hooks are useless once it is closed: remove them from their managers
         # so later forwards of the model neither pay for them nor fail.
         self._bindings.remove_all()

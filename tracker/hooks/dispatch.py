@@ -69,8 +69,8 @@ class ModuleHooks:
         self.pre: tuple[HookHandle, ...] = ()
         self.fwd: tuple[HookHandle, ...] = ()
         self.bwd: tuple[HookHandle, ...] = ()
-        self._torch_pre: RemovableHandle | None = None
-        self._torch_fwd: RemovableHandle | None = None
+        self._torch_pre = _TorchHook(module, "pre", self._pre_hook)
+        self._torch_fwd = _TorchHook(module, "fwd", self._forward_hook)
         # One entry per call between pre-hook and forward hook (a stack: calls can nest).
         self._pending: list[PendingInputs | BackwardCall | None] = []
         self._single_op = True  # False once a single-op call's check failed (see backward.py)
@@ -97,33 +97,32 @@ class ModuleHooks:
         self._passive_fwd = all(is_passive(h.hook_fn.fn) for h in self.fwd)
         need_pre = bool(self.pre or self.bwd)
         need_fwd = bool(self.fwd or self.bwd)
-        if need_pre and self._torch_pre is None:
-            self._torch_pre = self.module.register_forward_pre_hook(self._pre_hook, with_kwargs=True)
-        elif not need_pre and self._torch_pre is not None:
-            self._torch_pre.remove()
-            self._torch_pre = None
-        if need_fwd and self._torch_fwd is None:
-            self._torch_fwd = self.module.register_forward_hook(
-                self._forward_hook, with_kwargs=True, always_call=True
-            )
-        elif not need_fwd and self._torch_fwd is not None and not self._pending:
+        if need_pre != self._torch_pre.attached:
+            self._torch_pre.attach(need_pre)
+        if need_fwd != self._torch_fwd.attached and (need_fwd or not self._pending):
             # (While calls are in flight, e.g. a hook of this module or of a child deactivated
             # it, the forward hook stays until they returned: it pops their state, then goes.)
-            self._torch_fwd.remove()
-            self._torch_fwd = None
+            self._torch_fwd.attach(need_fwd)
 
     def close(self) -> None:
         """Remove the torch hooks now, calls in flight or not (the manager let go of the module;
         a forward interrupted by KeyboardInterrupt never returns to pop its state)."""
         self.pre = self.fwd = self.bwd = ()
         self._pending.clear()
-        for h in (self._torch_pre, self._torch_fwd):
-            if h is not None:
-                h.remove()
-        self._torch_pre = self._torch_fwd = None
+        self._torch_pre.remove()
+        self._torch_fwd.remove()
 
     # --- torch hooks -----------------------------------------------------------------------
     def _pre_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        if self.bwd and _is_compiling():
+            # Backward hooks build autograd state Dynamo cannot trace: the call's hooks run
+            # eagerly (a graph break before and after the module; docs/capture.md, Training stacks).
+            return _eager_pre_hook(self, module, args, kwargs)
+        return self._run_pre_hooks(module, args, kwargs, compiled=False)
+
+    def _run_pre_hooks(
+        self, module: nn.Module, args: tuple, kwargs: dict, compiled: bool
+    ) -> tuple[tuple, dict] | None:
         bwd = self.bwd
         if bwd:
             self._pending.append(None)  # popped by the forward hook even if this hook raises
@@ -143,8 +142,10 @@ class ModuleHooks:
         if bwd and torch.is_grad_enabled():
             call = BackwardCall(module, bwd, leaves)
             single = (
-                single_op_input(module, leaves) if call.in_index and self._single_op and self._passive_fwd else None
-            )
+                single_op_input(module, leaves)
+                if call.in_index and self._single_op and self._passive_fwd and not compiled
+                else None
+            )  # (in a compiled region the op runs inside a graph: its node is the graph's)
             if single is not None and self._outermost():
                 call.note_input(*single, self)  # its gradient comes from the op's node (no identity node)
                 self._pending[-1] = call
@@ -161,8 +162,8 @@ class ModuleHooks:
         input: forward hooks are handed it instead of an alias)."""
         m = self.module
         return (
-            self._torch_pre is not None
-            and self._torch_fwd is not None
+            self._torch_pre.attached
+            and self._torch_fwd.attached
             and next(reversed(m._forward_pre_hooks)) == self._torch_pre.id
             and len(m._forward_hooks) == 1
         )
@@ -186,13 +187,20 @@ class ModuleHooks:
         )
 
     def _forward_hook(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
-        entry = self._pending.pop() if self._pending else None
         if output is None and _forward_raised():
             # torch calls always_call hooks only to let them clean up. (No deferred removal
             # here: torch's handler iterates the module's hook dict itself; the next call or
             # close() removes the hook.)
+            if self._pending:
+                self._pending.pop()
             return None
-        if not self._pending and not (self.fwd or self.bwd) and self._torch_fwd is not None:
+        if self.bwd and _is_compiling():
+            return _eager_forward_hook(self, module, args, kwargs, output)
+        return self._run_forward_hooks(module, args, kwargs, output)
+
+    def _run_forward_hooks(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+        entry = self._pending.pop() if self._pending else None
+        if not self._pending and not (self.fwd or self.bwd) and self._torch_fwd.attached:
             self._sync()  # deactivated while this call ran: the deferred removal
         # A single-op call's node is found before the forward hooks run: one of them may modify
         # or replace the output.
@@ -231,6 +239,97 @@ class ModuleHooks:
         return None
 
 
+def guard_module_hooks() -> None:
+    """Make torch.compile guard on module hooks (``torch._dynamo.config.skip_nnmodule_hook_guards
+    = False``); done when this module is imported.
+
+    torch's default skips those guards: a graph compiled while a module carried no hook (a step
+    the recorder does not sample, a ``paused()`` evaluation before training, a first call before
+    the hooks were registered) would keep running after the hooks came, and record nothing.
+    With the guards, a module's hook set selects its graph; :class:`_TorchHook` keeps hook ids
+    and functions stable, so each hook set compiles once (docs/capture.md, Training stacks).
+    Graphs compiled before this ran keep torch's unguarded entries (``torch._dynamo.reset()``
+    drops them).
+    """
+    torch._dynamo.config.skip_nnmodule_hook_guards = False
+
+
+guard_module_hooks()
+
+
+class _TorchHook:
+    """One torch module hook of a :class:`ModuleHooks` (its forward pre-hook or forward hook),
+    attached while some handle needs it.
+
+    It keeps its torch hook id and its function object while detached, and attaching it again
+    puts the same entries back into the module's hook dicts (at their end, as a new
+    registration would). torch.compile guards on a module's hooks by their ids and functions
+    (see :func:`guard_module_hooks`): a hook that comes back unchanged finds the graph compiled
+    for it in Dynamo's cache instead of causing a recompilation per sampled step.
+    """
+
+    __slots__ = ("module", "kind", "fn", "handle", "attached")
+
+    def __init__(self, module: nn.Module, kind: str, fn: Any) -> None:
+        self.module = module
+        self.kind = kind
+        self.fn = fn  # one bound method for the hook's life: torch.compile guards on its identity
+        self.handle: RemovableHandle | None = None
+        self.attached = False
+
+    @property
+    def id(self) -> int | None:
+        return None if self.handle is None else self.handle.id
+
+    def _dicts(self) -> tuple[dict, ...]:
+        m = self.module
+        if self.kind == "pre":
+            return m._forward_pre_hooks, m._forward_pre_hooks_with_kwargs
+        return m._forward_hooks, m._forward_hooks_with_kwargs, m._forward_hooks_always_called
+
+    def attach(self, on: bool) -> None:
+        """Put the torch hook on the module (``on``) or take it off."""
+        if on == self.attached:
+            return
+        self.attached = on
+        if self.handle is None:  # (a first registration: torch's own API)
+            if self.kind == "pre":
+                self.handle = self.module.register_forward_pre_hook(self.fn, with_kwargs=True)
+            else:
+                self.handle = self.module.register_forward_hook(self.fn, with_kwargs=True, always_call=True)
+            return
+        hid = self.handle.id
+        hooks, *flags = self._dicts()
+        if on:
+            hooks[hid] = self.fn
+            for d in flags:
+                d[hid] = True
+        else:
+            hooks.pop(hid, None)
+            for d in flags:
+                d.pop(hid, None)
+
+    def remove(self) -> None:
+        """Take the torch hook off for good."""
+        self.attached = False
+        if self.handle is not None:
+            self.handle.remove()
+            self.handle = None
+
+
+@torch._dynamo.disable
+def _eager_pre_hook(hooks: ModuleHooks, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+    """The pre-hook of a call with backward hooks in a compiled region, run outside Dynamo."""
+    return hooks._run_pre_hooks(module, args, kwargs, compiled=True)
+
+
+@torch._dynamo.disable
+def _eager_forward_hook(hooks: ModuleHooks, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+    """The forward hook of a call with backward hooks in a compiled region, run outside Dynamo."""
+    return hooks._run_forward_hooks(module, args, kwargs, output)
+
+
+_is_compiling = torch.compiler.is_compiling
 _functorch_active = torch._C._are_functorch_transforms_active
 _warned_transform = False
 

@@ -1,0 +1,105 @@
+"""Sync bookkeeping of an MLflow run: which file digests it holds, kept in an artifact, not in tags.
+
+A pass uploads a file only when its ``<size>:<sha256>`` differs from the digest recorded here; the
+record is the artifact ``hookline/sync.json`` (``hookline/sync.rank<r>.json`` for a ranked
+uploader), written after the uploads it describes. Tags would show every digest on the run page;
+an artifact keeps the page readable. The run tag ``hookline.bytes`` (:func:`~.keys.bytes_tag`),
+set with it, says that it exists, so the first pass of a run makes no request for it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from ..errors import TrackingError
+from .client import short_error
+from .keys import ARTIFACT_ROOT, bytes_tag
+
+__all__ = ["SyncState"]
+
+log = logging.getLogger("hookline.mlflow")
+
+_FORMAT = "hookline-sync"
+
+
+class SyncState:
+    """The digests of the files an MLflow run holds (artifact path -> ``<size>:<sha256>``).
+
+    Args:
+        rank: the uploader's rank (None: unranked); it names the artifact.
+    """
+
+    def __init__(self, rank: int | None = None) -> None:
+        self.rank = rank
+        self.files: dict[str, str] = {}
+        self._changed = False
+
+    @property
+    def artifact(self) -> str:
+        """The artifact path: ``hookline/sync.json`` or ``hookline/sync.rank<r>.json``."""
+        return f"{ARTIFACT_ROOT}/sync.json" if self.rank is None else f"{ARTIFACT_ROOT}/sync.rank{int(self.rank)}.json"
+
+    @classmethod
+    def load(cls, client: Any, run_id: str, rank: int | None, run_tags: dict[str, str]) -> SyncState:
+        """The run's state; empty when the run has none yet (no ``hookline.bytes`` tag: no request)
+        or it does not read (then files are compared afresh and uploaded again: safe, only slower).
+
+        Args:
+            client: the :class:`mlflow.MlflowClient`.
+            run_id: the MLflow run.
+            rank: the uploader's rank.
+            run_tags: the run's tags now.
+        """
+        state = cls(rank)
+        if bytes_tag(rank) not in run_tags:
+            return state
+        try:
+            with tempfile.TemporaryDirectory(prefix="hookline-sync-") as tmp:
+                got = Path(client.download_artifacts(run_id, state.artifact, dst_path=tmp))
+                doc = json.loads(got.read_text(encoding="utf-8"))
+        except Exception as e:  # noqa: BLE001 - a missing or damaged record costs re-uploads only
+            log.debug("hookline: reading %s of run %s failed (%s); comparing every file afresh",
+                      state.artifact, run_id, short_error(e))
+            return state
+        files = doc.get("files") if isinstance(doc, dict) and doc.get("format") == _FORMAT else None
+        if isinstance(files, dict):
+            state.files = {str(k): str(v) for k, v in files.items() if isinstance(v, str)}
+        return state
+
+    def get(self, artifact: str) -> str | None:
+        """The recorded digest of ``artifact`` (None: not uploaded, as far as the record says)."""
+        return self.files.get(artifact)
+
+    def put(self, artifact: str, digest: str) -> None:
+        """Record that ``artifact`` now holds the file with ``digest``."""
+        if self.files.get(artifact) != digest:
+            self.files[artifact] = digest
+            self._changed = True
+
+    def size_of(self, artifacts: list[str]) -> int:
+        """Bytes of the recorded files among ``artifacts`` (the size part of their digests)."""
+        total = 0
+        for a in artifacts:
+            head = (self.files.get(a) or "").split(":", 1)[0]
+            total += int(head) if head.isdigit() else 0
+        return total
+
+    def save(self, client: Any, run_id: str) -> bool:
+        """Upload the record if it changed; True when it did.
+
+        Raises:
+            TrackingError: the upload failed (the next pass uploads the unrecorded files again).
+        """
+        if not self._changed:
+            return False
+        text = json.dumps({"format": _FORMAT, "files": dict(sorted(self.files.items()))}, indent=1)
+        try:
+            client.log_text(run_id, text, self.artifact)
+        except Exception as e:  # noqa: BLE001
+            raise TrackingError(f"upload of {self.artifact!r} failed: {short_error(e)}") from e
+        self._changed = False
+        return True
