@@ -135,7 +135,8 @@ class HandleFileWriter:
 
     Args:
         path: file to create (truncated).
-        attrs: root attributes (see docs/format.md); ``records``/``record_start`` are set by finish.
+        attrs: root attributes (see docs/format.md), written by :meth:`finish` with
+            ``records``, ``record_start`` and ``fields``.
         record_start: global record number of this file's first record.
         writeback: a :class:`Writeback` shared with the writer's other open files, or a byte
             count for one of this file's own; 0 or None leaves writeback to the kernel.
@@ -145,7 +146,7 @@ class HandleFileWriter:
                  writeback: Writeback | int | None = WRITEBACK_BYTES) -> None:
         self.path = Path(path)
         clear_for_new_file(self.path)  # (a symlink or FIFO left at this name is not written through)
-        self.f = h5py.File(self.path, "w", rdcc_nbytes=0)
+        self.f: h5py.File | None = h5py.File(self.path, "w", rdcc_nbytes=0)
         self.writeback = writeback if isinstance(writeback, Writeback) else Writeback(writeback)
         self.attrs = attrs
         self.record_start = record_start
@@ -161,6 +162,34 @@ class HandleFileWriter:
             out = self.fields[spec.name] = FieldOut(self.f, spec, expected, self)
         return out
 
+    @property
+    def is_open(self) -> bool:
+        """Whether the HDF5 file is open now (see :meth:`park`)."""
+        return self.f is not None
+
+    def park(self) -> None:
+        """Close the HDF5 file for now, keeping everything needed to go on (:meth:`resume`).
+
+        An open HDF5 file costs ~0.55 MB of HDF5's own memory and a file descriptor; a writer of
+        thousands of handles keeps only a few open and parks the rest. The file stays where it
+        is (a ``.partial`` that nobody reads); nothing is sealed or published.
+        """
+        if self.f is None:
+            return
+        self.writeback.forget(self.f)
+        for out in self.fields.values():
+            out.ds = None
+        f, self.f = self.f, None
+        f.close()
+
+    def resume(self) -> None:
+        """Reopen a parked file for appending (~0.3 ms)."""
+        if self.f is not None:
+            return
+        self.f = h5py.File(self.path, "r+", rdcc_nbytes=0)
+        for name, out in self.fields.items():
+            out.ds = self.f[name]
+
     def wrote(self, nbytes: int) -> None:
         """Count field bytes handed to HDF5 (writeback is kicked as they add up)."""
         self.writeback.wrote(self.f, nbytes)
@@ -173,6 +202,7 @@ class HandleFileWriter:
 
     def finish(self) -> None:
         """Write ``step``/``call``, every field's index datasets and the attributes; close."""
+        self.resume()
         f = self.f
         n = self.n_records
         for name, parts in (("step", self.steps), ("call", self.calls)):
@@ -190,13 +220,17 @@ class HandleFileWriter:
         a["records"] = np.int64(n)
         a["fields"] = json.dumps(list(self.fields))
         self.writeback.forget(f)
+        self.f = None
         f.close()
 
     def abort(self) -> None:
         """Close without finishing (best effort; the file stays a ``.partial``)."""
-        self.writeback.forget(self.f)
+        f, self.f = self.f, None
+        if f is None:
+            return
+        self.writeback.forget(f)
         try:
-            self.f.close()
+            f.close()
         except Exception:
             pass
 

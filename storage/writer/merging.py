@@ -137,8 +137,13 @@ class Compactor:
             (ctx.run_dir / s.name).unlink(missing_ok=True)
 
 
-def finalize(ctx: WriterContext, h: WriterHandle) -> None:
-    """Merge a handle's complete parts into ``<key>.h5`` (a rename when there is one segment)."""
+def finalize(ctx: WriterContext, h: WriterHandle, dirs: set[Path] | None = None) -> None:
+    """Merge a handle's complete parts into ``<key>.h5`` (a rename when there is one segment).
+
+    Args:
+        dirs: where to note the directory of a rename, to fsync once for all handles (the
+            caller fsyncs them before it writes the manifest); None: fsync it now.
+    """
     final = ctx.run_dir / final_name(h.key, h.suffix)
     ctx.tools.current = final
     segs = list(h.sealed)
@@ -146,7 +151,9 @@ def finalize(ctx: WriterContext, h: WriterHandle) -> None:
         return  # nothing new since the run was continued
     if not h.base and len(segs) == 1 and segs[0].start == 0:
         os.replace(ctx.run_dir / segs[0].name, final)
-        if ctx.fsync:
+        if dirs is not None:
+            dirs.add(final.parent)
+        elif ctx.fsync:
             fsync_dir(final.parent)
     else:
         tmp = final.with_name(final.name + ".partial")

@@ -32,13 +32,16 @@ ALIVE_CHECK_S = 0.5
 
 @dataclass(eq=False, slots=True)
 class Record:
-    """A block of ``len(steps)`` records of one handle (arrays ``(k, *record_shape)``)."""
+    """A block of ``len(steps)`` records (arrays ``(k, *record_shape)``) of one handle, or of
+    several: record ``j`` belongs to ``rows[j]`` when ``rows`` is given (``handle`` is then the
+    first of them)."""
 
     handle: WriterHandle
     steps: list[int]
     calls: list[int]
     fields: dict[str, tuple[np.ndarray, str]]
     nbytes: int
+    rows: list[WriterHandle] | None = None
 
 
 @dataclass(eq=False, slots=True)
@@ -86,12 +89,16 @@ class WriteQueue:
         policy: ``"block"`` or ``"drop"`` (see :class:`~hookline.storage.RunWriter`).
         stats: the writer's counters (updated here under the lock).
         where: the run directory, for messages.
+        max_bytes: most bytes queued and staged (default: the whole budget; a writer keeps
+            what its open files cost out of it, :meth:`Budget.queue_bytes`).
     """
 
-    def __init__(self, budget: Budget, policy: str, stats: WriterStats, where: str) -> None:
+    def __init__(self, budget: Budget, policy: str, stats: WriterStats, where: str,
+                 max_bytes: int | None = None) -> None:
         self.cond = threading.Condition()
         self._items: deque[Message] = deque()
-        self._max_bytes = budget.bytes
+        self._max_bytes = budget.bytes if max_bytes is None else max_bytes
+        self._floor = min(self._max_bytes, budget.bytes // 2)  # what charge() always leaves
         self._wake_bytes = budget.wake_bytes
         self._policy = policy
         self._stats = stats
@@ -128,7 +135,11 @@ class WriteQueue:
                                         f"the record was not queued")
             if self.pending and self.pending + nbytes > self._max_bytes:
                 if self._policy == "drop":
-                    h.stats.dropped += n
+                    if rec.rows is None:
+                        h.stats.dropped += n
+                    else:
+                        for r in rec.rows:
+                            r.stats.dropped += 1
                     if not self._wake_sent:  # the budget is full: the writer must drain now
                         self._wake_sent = True
                         self._urgent += 1
@@ -138,8 +149,14 @@ class WriteQueue:
             self.pending += nbytes
             if self.pending > self._stats.peak_buffer_bytes:
                 self._stats.peak_buffer_bytes = self.pending
-            h.stats.records += n
-            h.stats.bytes += nbytes
+            if rec.rows is None:
+                h.stats.records += n
+                h.stats.bytes += nbytes
+            else:
+                per = nbytes // n
+                for r in rec.rows:
+                    r.stats.records += 1
+                    r.stats.bytes += per
             if not self._items:
                 self._since = time.monotonic()
             self._items.append(rec)
@@ -150,6 +167,25 @@ class WriteQueue:
                 self._wake_sent = True
                 self.cond.notify_all()
         return True
+
+    def make_room(self, h: WriterHandle, nbytes: int, alive: Callable[[], bool]) -> bool:
+        """Before a caller builds a block of ``nbytes`` (that it would then hold while waiting):
+        policy ``"block"`` waits until it would be accepted at once; ``"drop"`` counts one
+        dropped record of ``h`` and returns False when it would not.
+
+        Raises:
+            StorageError, WriterClosedError: as :meth:`put_record`.
+        """
+        with self.cond:
+            if self.error is not None:
+                raise self.error
+            if not (self.pending and self.pending + nbytes > self._max_bytes):
+                return True
+            if self._policy == "drop":
+                h.stats.dropped += 1
+                return False
+            self._wait_for_room(nbytes, alive)
+            return True
 
     def _wait_for_room(self, nbytes: int, alive: Callable[[], bool]) -> None:
         """Policy ``"block"``: wait (holding :attr:`cond`) until ``nbytes`` fit in the budget."""
@@ -168,6 +204,12 @@ class WriteQueue:
             self._stats.blocked_seconds += time.monotonic() - t0
         if self.closing:
             raise WriterClosedError(f"RunWriter for {self._where!r} was closed while write() waited")
+
+    def charge(self, nbytes: int) -> None:
+        """Take ``nbytes`` of memory held elsewhere (per-handle state) out of what the queue and
+        staging may hold, leaving at least half the budget."""
+        with self.cond:
+            self._max_bytes = max(self._floor, self._max_bytes - nbytes)
 
     def put_urgent(self, msg: NewHandle | Control) -> None:
         """Queue a message the writer thread takes at once."""

@@ -25,7 +25,7 @@ import numpy as np
 
 from .. import dtypes
 from .._filters import CompressionRules
-from .._fs import Writeback, check_max_open_files, lock_run, unlock_run
+from .._fs import Writeback, check_max_open_files, lock_run, open_files_share, unlock_run
 from ..budget import Budget
 from ..errors import HookTypeError, InvalidArgumentError, StorageError, UnknownNameError, WriterClosedError
 from ..format import manifest_name, rank_suffix
@@ -36,7 +36,7 @@ from .context import WriterContext
 from .handle import NewField, WriterHandle
 from .manifest import ManifestWriter, RunIdentity
 from .queue import Close, Flush, NewHandle, Record, WriteQueue
-from .staging import PartTools
+from .staging import FileSlots, PartTools
 from .stats import HandleStats, WriterStats
 from .thread import WriterThread
 
@@ -71,11 +71,12 @@ class RunWriter:
             disk busy while the run goes on, so ``flush()``/``close()`` find little left to
             sync and a long run does not fill the page cache; 0 or None leaves writeback to
             the kernel. See docs/storage.md.
-        max_open_files: most segment files open at once (one per handle written since the last
-            flush). When more handles write, the least recently written handle's segment is
-            sealed (closed, published as ``.h5seg``, fsynced at the next flush) and its next
-            records start a new one. None (default): half the process's open-file limit
-            (``ulimit -n``) minus 64 for everything else, between 8 and 1024.
+        max_open_files: most segment files open at once. Each handle written since the last
+            flush has one segment; beyond this many, the least recently written one's file is
+            parked (closed, reopened when its handle writes again: one segment per handle per
+            flush whatever the number of handles). Each open file costs HDF5 ~0.55 MB, counted
+            against ``max_buffer_mb``. None (default): as many as an eighth of the budget pays
+            for (at least 4), at most half the open-file limit (``ulimit -n``) minus 64.
 
     Example:
         >>> w = RunWriter("runs/a", max_buffer_mb=256)
@@ -112,8 +113,12 @@ class RunWriter:
             raise InvalidArgumentError(
                 f"writeback_mb must be a number >= 0 or None (0/None: leave writeback to the kernel), got {writeback_mb!r}"
             )
-        # Half of the open-file limit (torch, sockets, readers and merges need files too).
-        self.max_open_files = check_max_open_files(max_open_files, 2, 1024)
+        # At most half of the open-file limit (torch, sockets, readers and merges need files too);
+        # by default as many as an eighth of the budget pays for (each costs HDF5 ~0.55 MB).
+        if max_open_files is None:
+            self.max_open_files = self.budget.open_files(open_files_share(2, 1024))
+        else:
+            self.max_open_files = check_max_open_files(max_open_files, 2, 1024)
         compression_rules = CompressionRules(compression)
         self.meta = json_meta(meta, "run meta")  # before anything is created
         self.run_dir = Path(run_dir)
@@ -134,17 +139,18 @@ class RunWriter:
         self._identity = RunIdentity.load(self.run_dir, manifest_path, rank, world_size, self.meta, uuid.uuid4().hex)
         self._handles: dict[str, WriterHandle] = {}  # declaration order
         self._stats = WriterStats(max_buffer_bytes=self.max_buffer_bytes)
-        self._queue = WriteQueue(self.budget, policy, self._stats, str(self.run_dir))
+        self._queue = WriteQueue(self.budget, policy, self._stats, str(self.run_dir),
+                                 max_bytes=self.budget.queue_bytes(self.max_open_files))
         self._closed = False
         self._error_raised_by_close = False
         self._close_stats: WriterStats | None = None
         writeback_bytes = int((writeback_mb or 0) * (1 << 20))
         ctx = WriterContext(self.run_dir, fsync, compression_rules, writeback_bytes,
-                            Writeback(writeback_bytes), self._identity, PartTools(self._queue.release))
+                            Writeback(writeback_bytes), self._identity,
+                            PartTools(self._queue.release, FileSlots(self.max_open_files, self._stats)))
         manifest = ManifestWriter(manifest_path, self._identity, fsync)
         self._thread = WriterThread(ctx, self._queue, self._handles, self._stats, self.budget, manifest,
-                                    autoflush_s=autoflush_s, merge_on_close=merge_on_close,
-                                    max_open_files=self.max_open_files)
+                                    autoflush_s=autoflush_s, merge_on_close=merge_on_close)
         self._thread.start()
         # Close at interpreter exit (atexit runs while daemon threads still run), weakly.
         self._atexit = weak_closer(self)  # errors: reported through the manifest
@@ -204,6 +210,7 @@ class RunWriter:
             h.adopt_fields(previous.get(handle_id, {}).get("fields", {}))
             self._handles[handle_id] = h
             self._stats.handles[handle_id] = h.stats
+            self._queue.charge(Budget.HANDLE_BYTES)  # its state is memory too (SPEC §8)
             self._queue.put_urgent(NewHandle(h))
 
     def update_handle_meta(self, handle_id: str, meta: Mapping[str, Any]) -> None:
@@ -277,11 +284,72 @@ class RunWriter:
             is not ``k``.
         """
         h = self._open_handle(handle_id)
+        steps, calls = self._block_steps(handle_id, steps, calls)
+        return self._put(h, steps, calls, fields, len(steps))
+
+    def write_rows(self, handle_ids: Any, steps: Any, calls: Any, fields: Mapping[str, FieldValue]) -> bool:
+        """Queue ``k`` records of several handles with the same fields at once: record ``j``
+        belongs to ``handle_ids[j]`` (one queue entry, one validation of the arrays).
+
+        Each handle's records are numbered in block order, exactly as :meth:`write` calls in that
+        order would number them. A recorder with more hooked handles than its open blocks hold
+        chunks for packs their records into such blocks (docs/capture.md).
+
+        Args:
+            handle_ids: ``k`` declared handle ids (repeats allowed).
+            steps, calls: ``k`` non-negative ints each.
+            fields: field name -> array of shape ``(k, *record_shape)`` (or raw bits); every
+                handle must accept these fields (dtype and ndim as its earlier records).
+
+        Returns:
+            True if queued; False if policy ``"drop"`` dropped the block (each record counted for
+            its handle).
+
+        Raises:
+            Same as :meth:`write_block`; nothing is queued or registered when any handle refuses.
+        """
+        if not isinstance(handle_ids, (list, tuple)) or not handle_ids:
+            raise InvalidArgumentError(f"write_rows: handle_ids must be a non-empty list of handle ids, "
+                                       f"got {handle_ids!r:.80}")
+        k = len(handle_ids)
+        hs = {hid: self._open_handle(hid) for hid in dict.fromkeys(handle_ids)}
+        steps, calls = self._block_steps(handle_ids[0], steps, calls)
+        if len(steps) != k:
+            raise InvalidArgumentError(f"write_rows: {k} handle ids but {len(steps)} steps; give one per record")
+        first, *others = hs.values()
+        checked, new, nbytes = checked_fields(first, fields, k)
+        news = [(first, new)]
+        for h in others:  # the arrays were checked once; each handle checks its field registry
+            news.append((h, [NewField(n, dn, a.ndim - 1) for n, (a, dn) in checked.items()
+                             if h.check_field(n, dn, a.shape[1:])]))
+        for h, new in news:
+            h.register_fields(new, self._queue.cond)
+        rows = [hs[hid] for hid in handle_ids]
+        return self._queue.put_record(Record(first, steps, calls, checked, nbytes, rows), self._thread.is_alive)
+
+    def make_room(self, handle_id: str, nbytes: int) -> bool:
+        """Make room for a block of ``nbytes`` before building it: a recorder calls this before
+        it copies a record bigger than its open-block share, so it never holds one such record
+        in a new block while the writer still holds the previous one (SPEC §8).
+
+        Returns:
+            True when a block of ``nbytes`` would now be queued without waiting (policy
+            ``"block"`` waits for that); False when policy ``"drop"`` would drop it: one record
+            of ``handle_id`` is then counted as dropped.
+
+        Raises:
+            Same as :meth:`write`.
+        """
+        h = self._open_handle(handle_id)
+        return self._queue.make_room(h, int(nbytes), self._thread.is_alive)
+
+    def _block_steps(self, handle_id: str, steps: Any, calls: Any) -> tuple[list[int], list[int]]:
+        """A block's steps and calls as checked lists of ints (copies)."""
         if type(steps) is list and type(calls) is list and len(steps) == len(calls) and steps:
             # The recorder's case, checked in Python: numpy's checks of a few ints cost ~50 us.
             if all(type(v) is int for v in steps) and all(type(v) is int for v in calls):
                 check_steps(handle_id, steps, calls)
-                return self._put(h, steps[:], calls[:], fields, len(steps))  # copies: the caller keeps its lists
+                return steps[:], calls[:]  # copies: the caller keeps its lists
         st = np.asarray(steps)
         ca = np.asarray(calls)
         if st.size == 0 and ca.size == 0:
@@ -290,9 +358,9 @@ class RunWriter:
             raise InvalidArgumentError(
                 f"write_block({handle_id!r}): steps and calls must be 1-D integer sequences of the same "
                 f"length, got steps {st.dtype} {st.shape} and calls {ca.dtype} {ca.shape}")
-        steps, calls = st.tolist(), ca.tolist()
-        check_steps(handle_id, steps, calls)
-        return self._put(h, steps, calls, fields, len(st))
+        out_steps, out_calls = st.tolist(), ca.tolist()
+        check_steps(handle_id, out_steps, out_calls)
+        return out_steps, out_calls
 
     def reserve_fields(self, handle_id: str, fields: Mapping[str, tuple[str, tuple[int, ...]]]) -> None:
         """Check that records with these fields would be accepted, before any is queued.
@@ -371,7 +439,7 @@ class RunWriter:
                 peak_buffer_bytes=self._stats.peak_buffer_bytes,
                 max_buffer_bytes=self.max_buffer_bytes,
                 blocked_seconds=self._stats.blocked_seconds,
-                rotated_segments=self._stats.rotated_segments,
+                parked_files=self._stats.parked_files,
                 error=str(err) if err else None,
             )
 

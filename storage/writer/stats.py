@@ -36,7 +36,8 @@ class WriterStats:
         peak_buffer_bytes: largest amount of accepted-but-not-written data held in memory.
         max_buffer_bytes: the budget (``max_buffer_mb``).
         blocked_seconds: total time ``write()`` waited for buffer space (policy ``"block"``).
-        rotated_segments: segments sealed early to stay within ``max_open_files``.
+        parked_files: times a segment file was closed to stay within ``max_open_files`` (it is
+            reopened when its handle writes again; no segment is sealed early).
         error: the background error message, if the writer failed.
     """
 
@@ -44,7 +45,7 @@ class WriterStats:
     peak_buffer_bytes: int = 0
     max_buffer_bytes: int = 0
     blocked_seconds: float = 0.0
-    rotated_segments: int = 0
+    parked_files: int = 0
     error: str | None = None
 
     @property

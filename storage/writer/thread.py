@@ -11,9 +11,11 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 
+from .._fs import fsync_dir
 from .._parts import discover_files
 from ..budget import Budget
 from .context import WriterContext
@@ -41,12 +43,11 @@ class WriterThread:
         autoflush_s: seal open parts when this many seconds passed since the last flush (None:
             never).
         merge_on_close: merge each handle's parts into ``<key>.h5`` at close.
-        max_open_files: most parts open at once.
     """
 
     def __init__(self, ctx: WriterContext, queue: WriteQueue, handles: dict[str, WriterHandle],
                  stats: WriterStats, budget: Budget, manifest: ManifestWriter, *,
-                 autoflush_s: float | None, merge_on_close: bool, max_open_files: int) -> None:
+                 autoflush_s: float | None, merge_on_close: bool) -> None:
         self.ctx = ctx
         self.queue = queue
         self._handles = handles
@@ -54,7 +55,7 @@ class WriterThread:
         self.manifest = manifest
         self.autoflush_s = autoflush_s
         self.merge_on_close = merge_on_close
-        self.parts = OpenParts(ctx, max_open_files, stats)
+        self.parts = OpenParts(ctx, stats)
         self.compactor = Compactor(ctx, self.handles)
         self._last_flush = time.monotonic()
         self.thread = threading.Thread(target=self._run, name=f"hookline-writer[{ctx.run_dir.name}]", daemon=True)
@@ -173,16 +174,47 @@ class WriterThread:
         self.manifest.dirty = True
 
     def _stage(self, msg: Record) -> None:
-        """Stage a block of records in its handle's open part (sealing the part first when a field
+        """Stage a block of records in its handle's open part; a block of several handles'
+        records is sorted into theirs (each handle's records copied out, in order: the block's
+        memory goes as soon as it is sorted, not when the last handle fills a chunk)."""
+        fields, msg.fields = msg.fields, {}
+        if msg.rows is None:
+            self._stage_one(msg.handle, msg.steps, msg.calls, fields, msg.nbytes)
+            return
+        groups: dict[WriterHandle, list[int]] = {}
+        for i, h in enumerate(msg.rows):
+            g = groups.get(h)
+            if g is None:
+                groups[h] = [i]
+            else:
+                g.append(i)
+        if len(groups) == 1:
+            self._stage_one(msg.handle, msg.steps, msg.calls, fields, msg.nbytes)
+            return
+        per = msg.nbytes // len(msg.rows)
+        steps, calls = msg.steps, msg.calls
+        items = list(fields.items())
+        for h, idx in groups.items():
+            part = h.part
+            if part is not None and part.take_rows(items, idx, steps, calls):
+                h.next_record += len(idx)
+                h.note_steps([steps[i] for i in idx])
+                h.written_bytes += per * len(idx)
+                continue
+            sub = {name: (arr[idx], dn) for name, (arr, dn) in items}  # (copies)
+            self._stage_one(h, [steps[i] for i in idx], [calls[i] for i in idx], sub, per * len(idx))
+
+    def _stage_one(self, h: WriterHandle, steps: list[int], calls: list[int],
+                   fields: dict[str, tuple[np.ndarray, str]], nbytes: int) -> None:
+        """Stage records of one handle in its open part (sealing the part first when a field
         turned ragged: flush() will not see that part again, so it is sealed as a flush would)."""
-        h = msg.handle
-        if h.note_shapes(msg.fields):
+        if h.note_shapes(fields):
             self.parts.seal(h, fsync=self.ctx.fsync)
         part = self.parts.part_for(h)
-        h.next_record += len(msg.steps)
-        h.note_steps(msg.steps)
-        part.stage(msg.steps, msg.calls, msg.fields, h.ragged, self.ctx.compression.for_field)
-        h.written_bytes += msg.nbytes
+        h.next_record += len(steps)
+        h.note_steps(steps)
+        part.stage(steps, calls, fields, h.ragged, self.ctx.compression.for_field)
+        h.written_bytes += nbytes
 
     def _flush_all(self) -> None:
         """Seal every open part, write the manifest, wake the compactor (and raise its error)."""
@@ -202,8 +234,12 @@ class WriterThread:
         if err is not None:
             raise err
         if self.merge_on_close:
+            dirs: set[Path] = set()  # renamed into: fsynced once each, before the manifest says closed
             for h in self.handles():
-                finalize(self.ctx, h)
+                finalize(self.ctx, h, dirs)
+            if self.ctx.fsync:
+                for d in dirs:
+                    fsync_dir(d)
         self._write_manifest("closed")
 
     def _abort_all(self) -> None:

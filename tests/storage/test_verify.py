@@ -171,16 +171,22 @@ def test_repair_refuses_a_live_run(run_dir):
 
 
 def _rotated_run(d, records=150):
-    """One handle in `records` segments (a writer with one open file and two handles rotates at
-    every record; merge_on_close=False keeps the segments)."""
+    """One handle in `records` segments (a flush per record, compaction held off;
+    merge_on_close=False keeps the segments)."""
     from hookline.storage import RunWriter
+    from hookline.storage.writer import merging
 
-    with RunWriter(d, max_open_files=1, merge_on_close=False, fsync=False) as w:
-        w.add_handle("a")
-        w.add_handle("b")
-        for s in range(records):
-            w.write("a", s, 0, {"x": np.full(3, s, np.float32)})
-            w.write("b", s, 0, {"x": np.full(3, -s, np.float32)})
+    saved, merging.COMPACT_MIN_SEGMENTS = merging.COMPACT_MIN_SEGMENTS, 1 << 30
+    try:
+        with RunWriter(d, merge_on_close=False, fsync=False) as w:
+            w.add_handle("a")
+            w.add_handle("b")
+            for s in range(records):
+                w.write("a", s, 0, {"x": np.full(3, s, np.float32)})
+                w.write("b", s, 0, {"x": np.full(3, -s, np.float32)})
+                w.flush()
+    finally:
+        merging.COMPACT_MIN_SEGMENTS = saved
 
 
 def test_repair_of_a_handle_with_more_segments_than_open_files(tmp_path):

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from hookline.storage.errors import WriterClosedError
-from hookline.storage.format import chunk_records
+from hookline.storage.format import RECORD_CHUNK_MIN, chunk_records
 
 from .convert import BufferPool, storage_dtype, to_field
 from .stats import SCALAR_STATS, split_stats
@@ -54,10 +54,10 @@ class _Block:
     """Records of one handle with the same field names, shapes, dtypes and devices."""
 
     __slots__ = ("names", "srcs", "bufs", "rows", "steps", "calls", "n", "cap", "nbytes", "events",
-                 "cuda", "since", "stats")
+                 "cuda", "since", "stats", "hids", "sig", "members")
 
     def __init__(self, names: list[str], srcs: list[tuple], bufs: list[torch.Tensor], cap: int,
-                 cuda: bool, stats: bool) -> None:
+                 cuda: bool, stats: bool, sig: tuple | None = None) -> None:
         self.names = names
         self.srcs = srcs  # (shape, dtype, is_cuda) of each source tensor
         self.bufs = bufs
@@ -72,6 +72,11 @@ class _Block:
         self.cuda = cuda
         self.since = time.monotonic()
         self.stats = stats
+        #: A shared block (records of several handles with one layout, :data:`SHARED_BELOW`):
+        #: its layout key, and the handle of each record.
+        self.sig = sig
+        self.hids: list[str] | None = [] if sig is not None else None
+        self.members: set[str] = set()  # handles whose records go to this shared block now
 
     def matches(self, names: list[str], tensors: list[torch.Tensor]) -> bool:
         if names != self.names:
@@ -99,6 +104,14 @@ class BlockPacker:
             (dtype_name, record_shape)})``, called when a handle's record layout changes,
             before the record is taken: a record the writer would refuse fails in its own hook
             and costs no other record.
+        write_rows: ``RunWriter.write_rows``-compatible callable ``(handle_ids, steps, calls,
+            fields) -> bool``: enables shared blocks (records of many handles with one layout in
+            one block, when a handle's share of the open-block budget holds less than a chunk).
+            Without it such handles get blocks as small as their share.
+        make_room: ``RunWriter.make_room``-compatible callable ``(handle_id, nbytes) -> bool``,
+            called before a block bigger than ``max_open_bytes`` (one big record) is filled, so
+            the writer has finished the previous one first: memory holds one such record, not
+            two. False: the writer counted the record as dropped (policy ``"drop"``).
     """
 
     def __init__(
@@ -111,8 +124,12 @@ class BlockPacker:
         max_age_s: float = MAX_AGE_S,
         block_bytes: int = BLOCK_BYTES,
         check_fields: Callable[[str, dict[str, tuple[str, tuple[int, ...]]]], None] | None = None,
+        write_rows: Callable[[list[str], list[int], list[int], dict[str, Any]], bool] | None = None,
+        make_room: Callable[[str, int], bool] | None = None,
     ) -> None:
         self._write_block = write_block
+        self._write_rows = write_rows
+        self._make_room = make_room
         self._check_fields = check_fields
         self._closed = False
         self.block_bytes = block_bytes
@@ -123,10 +140,15 @@ class BlockPacker:
         self.max_open_bytes = max_open_bytes
         self.max_age_s = max_age_s
         self._event_factory = event_factory or (lambda: torch.cuda.Event())
-        self._open: dict[str, _Block] = {}
+        self._open: dict[str, _Block] = {}  # handle -> the block its next record goes to
+        self._shared: dict[tuple, _Block] = {}  # layout -> the shared block being filled
         self._open_bytes = 0
         self._oldest: float | None = None
         self._changes: dict[str, int] = {}
+        self._checked: dict[str, tuple] = {}  # handle -> the record layout check_fields accepted last
+        # Handles of shared blocks: their layout, and each layout's (storage dtypes, record bytes).
+        self._member_of: dict[str, tuple] = {}
+        self._shared_spec: dict[tuple, tuple[list[torch.dtype], int]] = {}
         self._last_sig: dict[str, tuple[Any, int]] = {}  # ragged handles: last signature, repeats
         # Blocks handed over but waiting for device copies (or behind such a block: order kept).
         self._pending: deque[tuple[str, _Block]] = deque()
@@ -142,7 +164,11 @@ class BlockPacker:
     @property
     def open_records(self) -> int:
         """Records captured but not yet handed to the writer."""
-        return sum(b.n for b in self._open.values()) + sum(b.n for _, b in self._pending)
+        return sum(b.n for b in self._blocks()) + sum(b.n for _, b in self._pending)
+
+    def _blocks(self) -> list[_Block]:
+        """The open blocks, each once (a shared block is the open block of all its members)."""
+        return list({id(b): b for b in self._open.values()}.values())
 
     def add(self, handle_id: str, step: int, call: int, names: list[str], tensors: list[torch.Tensor],
             cast: torch.dtype | None = None, stats: bool = False) -> None:
@@ -167,13 +193,21 @@ class BlockPacker:
             raise WriterClosedError(
                 f"{handle_id} fired while its recorder was closing; the record was not taken")
         blk = self._open.get(handle_id)
+        if blk is None and handle_id in self._member_of:
+            blk = self._rejoin(handle_id, names, tensors, cast, stats)
         if blk is None or not blk.matches(names, tensors):
-            if self._check_fields is not None:  # before anything changes: refused means untouched
+            sig = (tuple(names), tuple((t.shape, t.dtype, t.is_cuda) for t in tensors), cast, stats)
+            # Before anything changes (refused means untouched); once per layout of a handle, not
+            # per block (a handle of a shared block starts a new block every few records).
+            if self._check_fields is not None and self._checked.get(handle_id) != sig:
                 self._check_fields(handle_id, _layout(names, tensors, cast, stats))
+                self._checked[handle_id] = sig
             if blk is not None:
                 self._changes[handle_id] = self._changes.get(handle_id, 0) + 1
                 self._hand_over(handle_id)
             blk = self._new_block(handle_id, names, tensors, cast, stats)
+            if blk is None:
+                return  # dropped by the writer's policy before it was copied (counted there)
         i = blk.n
         for rows, t in zip(blk.rows, tensors):
             rows[i].copy_(t, non_blocking=blk.cuda)
@@ -181,6 +215,8 @@ class BlockPacker:
             ev = self._event_factory()
             ev.record()
             blk.events.append(ev)
+        if blk.hids is not None:
+            blk.hids.append(handle_id)
         blk.steps.append(step)
         blk.calls.append(call)
         blk.n = i + 1
@@ -190,11 +226,12 @@ class BlockPacker:
             self._poll()
 
     def _new_block(self, handle_id: str, names: list[str], tensors: list[torch.Tensor],
-                   cast: torch.dtype | None, stats: bool) -> _Block:
+                   cast: torch.dtype | None, stats: bool) -> _Block | None:
         srcs = [(t.shape, t.dtype, t.is_cuda) for t in tensors]  # what _Block.matches compares
         cuda = any(c for _, _, c in srcs)
         dtypes = [cast if cast is not None and t.is_floating_point() else t.dtype for t in tensors]
         record_bytes = sum(t.numel() * dt.itemsize for t, dt in zip(tensors, dtypes))
+        self._member_of.pop(handle_id, None)  # (joining a shared block sets it again)
         if self._changes.get(handle_id, 0) >= RAGGED_AFTER:
             cap = 1
             # Ragged handles whose shape settles (one short last batch per epoch made them
@@ -208,8 +245,22 @@ class BlockPacker:
                 del self._last_sig[handle_id]
         else:
             cap = self._block_records(max(1, record_bytes))
-        bufs = [self.pool.take(torch.Size((cap, *t.shape)), dt, pin=cuda) for t, dt in zip(tensors, dtypes)]
-        blk = _Block(list(names), srcs, bufs, cap, cuda, stats)
+            if cap == 0:
+                return self._join_shared(handle_id, (tuple(names), tuple(srcs), cast, stats), tensors,
+                                         dtypes, max(1, record_bytes))
+        nbytes = cap * record_bytes
+        if nbytes > self.max_open_bytes and self._make_room is not None:
+            if not self._make_room(handle_id, nbytes):
+                return None
+        return self._open_block(handle_id, _Block(list(names), srcs, self._buffers(cap, tensors, dtypes, cuda),
+                                                  cap, cuda, stats))
+
+    def _buffers(self, cap: int, tensors: list[torch.Tensor], dtypes: list[torch.dtype],
+                 cuda: bool) -> list[torch.Tensor]:
+        return [self.pool.take(torch.Size((cap, *t.shape)), dt, pin=cuda) for t, dt in zip(tensors, dtypes)]
+
+    def _open_block(self, handle_id: str, blk: _Block) -> _Block:
+        """Make ``blk`` the open block of ``handle_id`` (a new block: counted against the budget)."""
         self._open[handle_id] = blk
         self._open_bytes += blk.nbytes
         if self._oldest is None:
@@ -218,22 +269,84 @@ class BlockPacker:
             self.hand_over_all(keep=handle_id)
         return blk
 
+    def _rejoin(self, handle_id: str, names: list[str], tensors: list[torch.Tensor], cast: torch.dtype | None,
+                stats: bool) -> _Block | None:
+        """The shared block for a record of a handle whose last records went to shared blocks,
+        if the record has their layout (the hot path of many handles: a shared block fills with
+        records of hundreds of handles, so each starts a new block every record or two)."""
+        sig = self._member_of[handle_id]
+        if sig[2] != cast or sig[3] != stats:
+            return None
+        blk = self._shared.get(sig)
+        if blk is None:
+            if not self._matches_sig(sig, names, tensors):
+                return None
+            return self._join_shared(handle_id, sig, tensors, *self._shared_spec[sig])
+        if not blk.matches(names, tensors):
+            return None
+        blk.members.add(handle_id)
+        self._open[handle_id] = blk
+        return blk
+
+    @staticmethod
+    def _matches_sig(sig: tuple, names: list[str], tensors: list[torch.Tensor]) -> bool:
+        if tuple(names) != sig[0] or len(tensors) != len(sig[1]):
+            return False
+        return all(t.shape == shape and t.dtype == dt and t.is_cuda == c for t, (shape, dt, c) in zip(tensors, sig[1]))
+
+    def _join_shared(self, handle_id: str, sig: tuple, tensors: list[torch.Tensor], dtypes: list[torch.dtype],
+                     record_bytes: int) -> _Block:
+        """The shared block of layout ``sig`` (opened if none is), as ``handle_id``'s open block.
+
+        Per-handle blocks need a chunk's worth of records per handle to pay for themselves; with
+        more handles than the open-block budget has chunks for, records of every handle with the
+        same layout share blocks instead, so a record costs the same whatever the number of
+        handles (the writer sorts the records into their handles' files)."""
+        self._member_of[handle_id] = sig
+        self._shared_spec.setdefault(sig, (dtypes, record_bytes))
+        blk = self._shared.get(sig)
+        if blk is not None:
+            blk.members.add(handle_id)
+            self._open[handle_id] = blk
+            return blk
+        room = min(self.block_bytes, self.max_open_bytes // (2 * (len(self._shared) + 1)))
+        cap = max(1, min(BLOCK_MAX_RECORDS, room // record_bytes))
+        names, srcs, _, stats = sig
+        cuda = any(c for _, _, c in srcs)
+        blk = _Block(list(names), list(srcs), self._buffers(cap, tensors, dtypes, cuda), cap, cuda, stats, sig)
+        blk.members.add(handle_id)
+        self._shared[sig] = blk
+        return self._open_block(handle_id, blk)
+
     def _block_records(self, record_bytes: int) -> int:
         """Records per block: whole chunks (the writer hands them to HDF5 without a copy), up to
         :attr:`block_bytes` and :data:`BLOCK_MAX_RECORDS`, and at most an even share of half the
-        open-block budget among :attr:`handles` (or the blocks open now, if more): a model with
-        many hooked modules gets one chunk per block, since blocks that outgrow the budget are
-        handed over partly filled, which costs the writer a packing copy per record (measured:
-        64 handles of 64 KiB records ran at 290 MB/s with 4 MiB blocks, 450 MB/s with 1 MiB)."""
-        per_chunk = chunk_records(record_bytes)
-        if per_chunk >= BLOCK_MAX_RECORDS:
-            return BLOCK_MAX_RECORDS  # tiny records: the writer packs them into chunks
-        share = self.max_open_bytes // (2 * max(self.handles, len(self._open) + 1))
+        open-block budget among :attr:`handles` (or the blocks open now, if more), but at least a
+        chunk. 0 when the budget cannot give every handle a chunk of its records (under 1 MiB):
+        the handle joins a shared block (:meth:`_join_shared`; without ``write_rows``, tiny
+        records get blocks of what fits). Blocks that outgrow the budget would be handed over
+        partly filled, one record each: the cliff this avoids (128 handles of 4 KiB records cost
+        1.2 ms per record that way)."""
+        per_chunk = min(chunk_records(record_bytes), BLOCK_MAX_RECORDS)
+        crowd = max(self.handles, len(self._open) + 1)
+        if self.max_open_bytes // crowd < per_chunk * record_bytes:  # not a chunk each
+            if self._write_rows is not None and record_bytes < RECORD_CHUNK_MIN:
+                return 0
+            if per_chunk == BLOCK_MAX_RECORDS:  # tiny records, no shared blocks: what fits
+                return max(1, self.max_open_bytes // crowd // record_bytes)
+        if per_chunk == BLOCK_MAX_RECORDS:  # tiny records: the writer packs the chunks
+            return BLOCK_MAX_RECORDS
+        share = self.max_open_bytes // (2 * crowd)
         chunks = min(self.block_bytes, share) // (per_chunk * record_bytes)
         return per_chunk * max(1, min(chunks, BLOCK_MAX_RECORDS // per_chunk))
 
     def _hand_over(self, handle_id: str) -> None:
         blk = self._open.pop(handle_id)
+        if blk.sig is not None:  # a shared block: the open block of every member
+            for hid in blk.members:
+                self._open.pop(hid, None)
+            if self._shared.get(blk.sig) is blk:
+                del self._shared[blk.sig]
         self._open_bytes -= blk.nbytes
         if not self._open:
             self._oldest = None
@@ -251,7 +364,11 @@ class BlockPacker:
         """Hand every open block to the writer (or the device-copy queue), partly filled or not."""
         with self._lock:
             failure: Exception | None = None
-            for hid in [h for h in self._open if h != keep]:
+            kept = self._open.get(keep) if keep is not None else None
+            for hid in list(self._open):
+                blk = self._open.get(hid)
+                if blk is None or blk is kept:  # (gone with a shared block handed over before)
+                    continue
                 e = _failure_of(self._hand_over, hid)  # called for every handle: the others still go
                 failure = failure or e
             self._oldest = min((b.since for b in self._open.values()), default=None)
@@ -311,7 +428,10 @@ class BlockPacker:
                     owner = owner.base
                 weakref.finalize(owner, give, buf)
                 fields[name] = value
-        self._write_block(handle_id, blk.steps, blk.calls, fields)  # drops are counted by the writer
+        if blk.hids is not None:
+            self._write_rows(blk.hids, blk.steps, blk.calls, fields)  # type: ignore[misc]
+        else:
+            self._write_block(handle_id, blk.steps, blk.calls, fields)  # drops are counted by the writer
 
 
 def _layout(names: list[str], tensors: list[torch.Tensor], cast: torch.dtype | None,

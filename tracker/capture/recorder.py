@@ -152,7 +152,8 @@ class Recorder:
         # ragged shapes leave pooled buffers that no later block can use.
         self._pool = BufferPool(max_bytes=open_bytes)
         self._packer = BlockPacker(self._writer.write_block, self._pool, max_open_bytes=open_bytes,
-                                   check_fields=self._writer.reserve_fields)
+                                   check_fields=self._writer.reserve_fields, write_rows=self._writer.write_rows,
+                                   make_room=self._writer.make_room)
         self._bindings = HandleBindings(self._state, self._writer, self._packer, self.stats_spec)
         self._unscale = GradUnscaler(grad_scaler) if grad_scaler is not None else None
         self._inf_steps = InfSteps(grad_scaler, self._note_inf_steps) if grad_scaler is not None else None

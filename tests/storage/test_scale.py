@@ -1,0 +1,240 @@
+"""Recording at real-model scale (issue 24): a thousand handles under a low open-file limit, and
+records whose contents make the norm pass work hardest, each in a subprocess that measures its own
+peak memory against the budget (SPEC §8: ``max_buffer_mb`` + 64 MB over the no-capture baseline).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from hookline.storage import RunWriter, open_run
+from hookline.storage.writer.norms import SLICE, row_norms
+
+MB = 1 << 20
+
+#: Shared by the children: the peak RSS of this process over a baseline read from /proc.
+_RSS = """
+import resource
+def rss_now():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize()
+def rss_peak():  # this process's high-water mark (ru_maxrss would keep the forking parent's)
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+"""
+
+
+def _child(code: str, timeout: float = 240) -> dict:
+    out = subprocess.run([sys.executable, "-c", _RSS + textwrap.dedent(code)], capture_output=True, text=True,
+                         timeout=timeout)
+    assert out.returncode == 0, out.stdout + out.stderr
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _chain(n: int) -> torch.nn.Sequential:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(n)])
+
+
+@pytest.mark.slow
+def test_a_thousand_handles_under_an_open_file_limit_of_1024(tmp_path):
+    """500 Linear modules, outputs + grads (1,000 handles of 4 KiB records) x 10 steps under
+    `ulimit -n 1024`: one `.h5` per handle and nothing else, every record back bit-exactly,
+    close well under a minute, peak memory within the budget + 64 MB over the same loop without
+    capture. (Before parked files: every record past max_open_files was its own ~85 KB segment,
+    and 0.64 MB per open segment was not counted.)"""
+    d = tmp_path / "run"
+    res = _child(f"""
+        import json, time
+        resource.setrlimit(resource.RLIMIT_NOFILE, (1024, max(1024, resource.getrlimit(resource.RLIMIT_NOFILE)[1])))
+        import torch
+        torch.set_num_threads(1)
+        from hookline.tracker import HookManager, Recorder
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(500)])
+        def step(s):
+            model(torch.full((16, 64), 0.01 * s)).sum().backward()
+        for s in range(3):  # the baseline: the same loop, no capture
+            step(s)
+        base = rss_now()
+        mgr = HookManager()
+        rec = Recorder({str(d)!r}, max_buffer_mb=64)
+        mods = dict(model.named_children())
+        mgr.register_forward_hook(rec.outputs, **mods)
+        mgr.register_backward_hook(rec.grads, **mods)
+        for s in range(10):
+            model.zero_grad()
+            with rec.step(s):
+                step(s)
+        t0 = time.perf_counter()
+        summary = rec.close()
+        close_s = time.perf_counter() - t0
+        print(json.dumps({{"base": base, "peak": rss_peak(), "close_s": close_s,
+                          "max_open": rec._writer.max_open_files, "records": summary.records}}))
+    """)
+    over = (res["peak"] - res["base"]) / MB
+    assert over <= 64 + 64, f"peak RSS {over:.0f} MB over the baseline, budget 64 MB + 64"
+    assert res["close_s"] < 60
+    assert res["records"] == 1000 * 10
+    files = sorted(p.relative_to(d).as_posix() for p in d.rglob("*") if p.is_file())
+    assert files == sorted(["manifest.json"] + [f"{kind}/{i}.h5" for kind in ("outputs", "grads")
+                                                 for i in range(500)])
+    model = _chain(500)
+    want = []  # every module's output at every step: what the model computes
+    with torch.no_grad():
+        for s in range(10):
+            x = torch.full((16, 64), 0.01 * s)
+            outs = []
+            for lin in model:
+                x = lin(x)
+                outs.append(x.numpy())
+            want.append(outs)
+    with open_run(d) as run:
+        assert len(run.handles) == 1000
+        grad_in_next = None
+        for i in reversed(range(500)):  # every record of every handle, each field read once
+            out = run[f"outputs[{i}]"]["outputs.0"]
+            assert list(out.steps) == list(range(10))
+            got = out.read()
+            np.testing.assert_array_equal(got, np.stack([want[s][i] for s in range(10)]))
+            np.testing.assert_allclose(out.norms(), np.linalg.norm(got.reshape(10, -1), axis=1), rtol=1e-5)
+            g = run[f"grads[{i}]"]
+            assert list(g.steps) == list(range(10))
+            if grad_in_next is not None:  # the gradient of module i's output is that of module i+1's input
+                np.testing.assert_array_equal(g["grad_out.0"].read(), grad_in_next)
+            grad_in_next = g["grad_in.0"].read() if i else None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("content", ["zeros", "denormals", "inf", "nan"])
+def test_records_whose_norms_need_float64_stay_within_the_budget(tmp_path, content):
+    """64 MB records of zeros, denormals, inf or NaN under a 64 MB budget: the norm pass works
+    in bounded slices, so peak memory stays within the budget + 64 MB over the same loop without
+    capture (a float64 retry over the whole record used to allocate 3x the record)."""
+    d = tmp_path / "run"
+    fill = {"zeros": "0.0", "denormals": "1e-40", "inf": "float('inf')", "nan": "float('nan')"}[content]
+    res = _child(f"""
+        import json
+        import torch
+        from hookline.tracker import HookManager, Recorder
+        x = torch.full((16 << 20,), {fill})  # 64 MB of float32
+        ident = torch.nn.Identity()
+        for _ in range(2):
+            ident(x)
+        base = rss_now()
+        mgr = HookManager()
+        rec = Recorder({str(d)!r}, max_buffer_mb=64)
+        mgr.register_forward_hook(rec.outputs, x=ident)
+        for s in range(4):
+            with rec.step(s):
+                ident(x)
+        rec.close()
+        print(json.dumps({{"base": base, "peak": rss_peak()}}))
+    """)
+    over = (res["peak"] - res["base"]) / MB
+    assert over <= 64 + 64, f"peak RSS {over:.0f} MB over the baseline, budget 64 MB + 64"
+    with open_run(d) as run:
+        f = run["outputs[x]"]["outputs.0"]
+        assert len(f) == 4
+        want = {"zeros": 0.0, "denormals": float(np.sqrt(16 << 20) * np.float32(1e-40)), "inf": np.inf}.get(content)
+        norms = f.norms()
+        if content == "nan":
+            assert np.isnan(norms).all()
+        else:
+            np.testing.assert_allclose(norms, want, rtol=1e-6)
+        np.testing.assert_array_equal(f[3][:5], np.full(5, np.float32(eval(fill)), np.float32))
+
+
+def test_row_norms_of_big_records_go_slice_by_slice(monkeypatch):
+    """The norm of a record bigger than SLICE adds up its slices in float64, with a float64
+    retry only for slices that need it, and equals the float64 norm."""
+    rng = np.random.default_rng(1)
+    big = rng.standard_normal((2, 3 * SLICE + 7)).astype(np.float32)
+    big[1, :SLICE] = 1e-30  # an underflowing slice beside ordinary ones
+    big[1, -3:] = 3e38  # and an overflowing one
+    got = row_norms(big, "float32")
+    want = np.linalg.norm(big.astype(np.float64), axis=1)
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    tiny = np.full((3, 4), 1e-40, np.float32)  # denormals, many records per slice
+    np.testing.assert_allclose(row_norms(tiny, "float32"), [2e-40] * 3, rtol=1e-4)
+
+
+def test_parked_files_make_one_segment_per_handle_per_flush(tmp_path):
+    """With more handles than max_open_files and records big enough to be written before the
+    flush, files are parked and reopened, never sealed early: each flush publishes exactly one
+    segment per handle, whatever the order the handles write in."""
+    d = tmp_path / "r"
+    x = np.ones((256, 1024), np.float32)  # 1 MiB: written as it arrives
+    with RunWriter(d, max_open_files=3, fsync=False, merge_on_close=False) as w:
+        for i in range(10):
+            w.add_handle(f"h{i}")
+        for s in range(4):
+            for i in (range(10) if s % 2 == 0 else reversed(range(10))):
+                w.write(f"h{i}", s, 0, {"x": x * (s + i)})
+        w.flush()
+        assert w.stats().parked_files > 0
+    segs = sorted(p.name for p in d.glob("*.h5seg"))
+    assert segs == sorted(f"h{i}.r000000000000-000000000004.h5seg" for i in range(10))
+    with open_run(d) as run:
+        for i in range(10):
+            assert [float(r[0, 0]) for r in run[f"h{i}"]["x"].read()] == [s + i for s in range(4)]
+
+
+def test_write_rows_sorts_records_of_many_handles_into_their_files(tmp_path):
+    """write_rows: one block of records of several handles lands in each handle in block order,
+    counted per handle; a handle whose field registry refuses the block registers nothing."""
+    d = tmp_path / "r"
+    with RunWriter(d) as w:
+        for h in ("a", "b", "c"):
+            w.add_handle(h)
+        w.write("c", 0, 0, {"x": np.zeros(3, np.int64)})  # c's x is int64 from now on
+        block = np.arange(12, dtype=np.float32).reshape(4, 3)
+        assert w.write_rows(["a", "b", "a", "b"], [0, 0, 1, 1], [0, 0, 0, 0], {"x": block})
+        with pytest.raises(Exception, match="changed dtype"):
+            w.write_rows(["a", "c"], [2, 2], [0, 0], {"x": block[:2], "y": block[:2]})
+        assert w.write("a", 2, 0, {"x": block[0] * 0 + 7})
+        st = w.stats()
+        assert (st.handles["a"].records, st.handles["b"].records) == (3, 2)
+    with open_run(d) as run:
+        np.testing.assert_array_equal(run["a"]["x"].read(), np.stack([block[0], block[2], block[0] * 0 + 7]))
+        np.testing.assert_array_equal(run["b"]["x"].read(), block[[1, 3]])
+        assert list(run["a"].steps) == [0, 1, 2] and run["a"].fields == ["x"]  # y was not registered
+
+
+#: Handles of the writer-level scale test: 3,000 keeps it near a minute on 2 cores (each handle
+#: costs its file's HDF5 work at close); HOOKLINE_SCALE_HANDLES=10000 checks the documented limit.
+SCALE_HANDLES = int(os.environ.get("HOOKLINE_SCALE_HANDLES", "3000"))
+
+
+@pytest.mark.slow
+def test_thousands_of_handles_through_the_writer_at_default_settings(tmp_path):
+    """Thousands of handles (blocks of records of many handles, as a recorder's shared blocks) at
+    the default settings: a bounded number of files open, one `.h5` per handle after close, every
+    record back."""
+    d = tmp_path / "run"
+    n = SCALE_HANDLES
+    ids = [f"outputs[m{i}]" for i in range(n)]
+    with RunWriter(d) as w:
+        for hid in ids:
+            w.add_handle(hid)
+        assert w.max_open_files <= 102
+        for s in range(2):
+            for b in range(0, n, 256):
+                rows = ids[b : b + 256]
+                block = np.arange(b, b + len(rows), dtype=np.float32)[:, None] + np.full((1, 16), s, np.float32)
+                assert w.write_rows(rows, [s] * len(rows), [0] * len(rows), {"x": block})
+    assert len(list(d.rglob("*.h5"))) == n and not list(d.rglob("*.h5seg*"))
+    with open_run(d) as run:
+        assert len(run.handles) == n
+        for i in (0, n // 3, n - 1):
+            np.testing.assert_array_equal(run[f"outputs[m{i}]"]["x"].read(), [[i] * 16, [i + 1] * 16])
+        assert all(len(run[hid]) == 2 for hid in ids[::97])
