@@ -50,7 +50,8 @@ def l2(arr: np.ndarray, dn: str) -> float:
 def _sum_squares(rows: np.ndarray, dn: str) -> np.ndarray:
     """float64 sum of squares of each row of a 2-D slice of stored data of logical dtype ``dn``."""
     x = _real_floats(rows, dn)
-    s = (x[:, None, :] @ x[:, :, None]).reshape(len(x)).astype(np.float64)
+    with np.errstate(over="ignore", invalid="ignore"):  # handled below: no warning in a user's log
+        s = (x[:, None, :] @ x[:, :, None]).reshape(len(x)).astype(np.float64)
     bad = ~np.isfinite(s) | (s < _TINY)
     for i in np.flatnonzero(bad):  # zeros, denormals, huge values, inf/NaN: one row at a time
         x64 = x[i].astype(np.float64)

@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -238,3 +239,13 @@ def test_thousands_of_handles_through_the_writer_at_default_settings(tmp_path):
         for i in (0, n // 3, n - 1):
             np.testing.assert_array_equal(run[f"outputs[m{i}]"]["x"].read(), [[i] * 16, [i + 1] * 16])
         assert all(len(run[hid]) == 2 for hid in ids[::97])
+
+
+def test_row_norms_of_overflowing_records_warn_nothing():
+    """A float32 sum of squares that overflows is recomputed in float64: no RuntimeWarning
+    reaches the user's log from the writer thread."""
+    block = np.full((2, 1000), 1e30, np.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        norms = row_norms(block, "float32")
+    assert np.allclose(norms, [1e30 * np.sqrt(1000)] * 2, rtol=1e-6)
