@@ -9,14 +9,16 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 import urllib.parse
 from pathlib import Path
 from typing import Any, Callable
 
 from ..errors import HookTypeError, InvalidArgumentError, TrackingError, TrackingUnreachableError, UnknownNameError
 
-__all__ = ["REACH_TIMEOUT_S", "BUDGET_S", "BYTES_PER_S", "CallBudget", "budget_seconds", "connect",
-           "check_reachable", "resolve_tracking_uri", "tracking_uri_of", "get_run", "short_error", "active_run"]
+__all__ = ["REACH_TIMEOUT_S", "BUDGET_S", "BYTES_PER_S", "CallBudget", "PendingCall", "budget_seconds", "connect",
+           "check_reachable", "resolve_tracking_uri", "tracking_uri_of", "get_run", "artifact_repository", "fetch_artifact",
+           "short_error", "active_run"]
 
 #: Seconds hookline's own MLflow calls may take by default (``mlflow_timeout=...``,
 #: ``$HOOKLINE_MLFLOW_TIMEOUT``): a call still running after that (MLflow retrying HTTP 500s for
@@ -96,28 +98,12 @@ class CallBudget:
             TrackingUnreachableError: the call did not finish in time.
             Exception: whatever ``fn`` raised.
         """
-        limit = self.limit(size)
-        box: dict[str, Any] = {}
-        done = threading.Event()
+        return self.start(what, fn, *args, size=size, **kwargs).result()
 
-        def run() -> None:
-            try:
-                box["value"] = fn(*args, **kwargs)
-            except BaseException as e:  # noqa: BLE001 - handed to the caller
-                box["error"] = e
-            finally:
-                done.set()
-
-        t = threading.Thread(target=run, name="hookline-mlflow-call", daemon=True)
-        try:
-            t.start()
-        except RuntimeError:  # interpreter exit (Python 3.12 starts no thread then): unbounded
-            return fn(*args, **kwargs)
-        if not done.wait(limit):
-            raise self.overrun(what, limit)
-        if "error" in box:
-            raise box["error"]
-        return box.get("value")
+    def start(self, what: str, fn: Callable[..., Any], *args: Any, size: int = 0, **kwargs: Any) -> PendingCall:
+        """Start ``fn(*args, **kwargs)`` on a daemon thread; :meth:`PendingCall.result` waits for it
+        at most the rest of the budget (counted from now). Arguments as :meth:`call`."""
+        return PendingCall(self, what, self.limit(size), fn, args, kwargs)
 
     def limit(self, size: int = 0) -> float:
         """Seconds a call transferring ``size`` bytes may take."""
@@ -130,6 +116,43 @@ class CallBudget:
             "budget for one MLflow call: mlflow_timeout=... / $HOOKLINE_MLFLOW_TIMEOUT, default "
             f"{BUDGET_S:g} s; MLflow keeps retrying a server that answers errors, and waits for one that does not "
             "answer): check the server; recorded files stay on disk, `hookline sync` uploads them later")
+
+
+class PendingCall:
+    """One MLflow call running on a daemon thread within a time limit (:meth:`CallBudget.start`)."""
+
+    def __init__(self, budget: CallBudget, what: str, limit: float, fn: Callable[..., Any], args: tuple,
+                 kwargs: dict[str, Any]) -> None:
+        self._budget, self._what, self._limit = budget, what, limit
+        self._box: dict[str, Any] = {}
+        self._done = threading.Event()
+        self._t0 = time.monotonic()
+
+        def run() -> None:
+            try:
+                self._box["value"] = fn(*args, **kwargs)
+            except BaseException as e:  # noqa: BLE001 - handed to the caller
+                self._box["error"] = e
+            finally:
+                self._done.set()
+
+        try:
+            threading.Thread(target=run, name="hookline-mlflow-call", daemon=True).start()
+        except RuntimeError:  # interpreter exit (Python 3.12 starts no thread then): unbounded
+            run()
+
+    def result(self) -> Any:
+        """The call's value, once it finished within its limit.
+
+        Raises:
+            TrackingUnreachableError: the call did not finish in time (it is left running).
+            Exception: whatever the call raised.
+        """
+        if not self._done.wait(max(0.0, self._t0 + self._limit - time.monotonic())):
+            raise self._budget.overrun(self._what, self._limit)
+        if "error" in self._box:
+            raise self._box["error"]
+        return self._box.get("value")
 
 
 def resolve_tracking_uri(tracking_uri: str | None) -> str:
@@ -311,6 +334,40 @@ def get_run(client: Any, run_id: str, budget: CallBudget | None = None) -> Any:
             "(`mlflow runs restore --run-id ...`, the MLflow UI) or use another run"
         )
     return run
+
+
+def artifact_repository(client: Any, run: Any) -> Any:
+    """The artifact repository of ``run``, built from the run already fetched (None: let the
+    client resolve it, e.g. for a Databricks workspace or a run without an artifact URI).
+
+    ``MlflowClient.log_artifact``/``download_artifacts`` look the run up again (one more
+    ``get_run`` per client and run, and per call for downloads); a pass that has just fetched the
+    run goes to its repository directly, with the same repository MLflow would build.
+    """
+    uri = tracking_uri_of(client)
+    artifact_uri = getattr(getattr(run, "info", None), "artifact_uri", None)
+    if not artifact_uri or uri.startswith("databricks"):
+        return None
+    try:
+        from mlflow.store.artifact.artifact_repository_registry import get_artifact_repository
+
+        return get_artifact_repository(artifact_uri, tracking_uri=uri)
+    except Exception:  # noqa: BLE001 - a scheme that needs the client's own resolution
+        return None
+
+
+def fetch_artifact(client: Any, run_id: str, artifact: str, folder: Path, repo: Any = None) -> Path:
+    """Download the file ``artifact`` of a run into ``folder``; its local path. With ``repo`` (the
+    run's artifact repository) one GET and no progress bar, else through the client.
+    """
+    fetch_one = getattr(repo, "_download_file", None)  # (one GET; MLflow's own name since 1.x)
+    if fetch_one is not None:
+        got = folder / artifact.rsplit("/", 1)[-1]
+        fetch_one(remote_file_path=artifact, local_path=str(got))
+        return got
+    if repo is not None:
+        return Path(repo.download_artifacts(artifact, dst_path=str(folder)))
+    return Path(client.download_artifacts(run_id, artifact, dst_path=str(folder)))
 
 
 def short_error(e: BaseException) -> str:

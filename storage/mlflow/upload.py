@@ -40,8 +40,8 @@ from ..errors import DuplicateNameError, FormatError, HookTypeError, InvalidArgu
 from ..confine import RunRoot
 from ..errors import TrackingUnreachableError, UnknownNameError
 from ..format import check_manifest
-from .client import REACH_TIMEOUT_S, CallBudget, budget_seconds, check_reachable, connect, get_run, short_error, \
-    tracking_uri_of
+from .client import REACH_TIMEOUT_S, CallBudget, artifact_repository, budget_seconds, check_reachable, connect, get_run, \
+    short_error, tracking_uri_of
 from .keys import (
     ARTIFACT_ROOT,
     FORMAT_VERSION_TAG,
@@ -236,6 +236,7 @@ class _Pass:
         self.refused: set[tuple[str, int | None]] = set()
         self._run: Any = None  # the run directory opened with the storage reader, on first need
         self.budget: CallBudget | None = None
+        self.repo: Any = None  # the run's artifact repository (None: uploads go through the client)
         #: norm series read while a file was checked (opened once): (handle id, rank) -> (records, series)
         self.series: dict[tuple[str, int | None], tuple[int, list[NormSeries]]] = {}
 
@@ -245,32 +246,38 @@ class _Pass:
         self.client = self.up.client
         self.up.reach()  # fail in seconds, not after MLflow's minutes of retries
         self.budget = self.up.budget()
-        data = self.up.fetch_run(self.budget).data
-        self.tags_now, self.params_now = dict(data.tags), dict(data.params)
+        run = self.up.fetch_run(self.budget)
+        self.tags_now, self.params_now = dict(run.data.tags), dict(run.data.params)
         origin = check_origin(self.run_id, self.run_dir, self.manifests, self.tags_now, self.params_now)
+        self.repo = artifact_repository(self.client, run)  # (no second lookup of the run by MLflow)
         if self.mode != PassMode.METRICS:
             if self.up.state is None:
                 self.up.state = self.budget.call("reading the sync record", SyncState.load, self.client,
-                                                 self.run_id, self.rank, self.tags_now)
+                                                 self.run_id, self.rank, self.tags_now, self.repo)
             self.state = self.up.state
         self.plans = self._plan_handles()
-        running = ParallelUploads(self.client, self.run_id, self.up.max_workers, self.budget)
+        running = ParallelUploads(self.client, self.run_id, self.up.max_workers, self.budget, self.repo)
         uploads = self._files_to_upload(running)  # (each starts as soon as its file is checked)
         try:
             tags, type_tags, later = self._log_norms()
+            tags.update(self._run_tags(type_tags))
+            tags.update(self._expected_bytes(uploads))
+            params = {k: v for k, v in origin.items() if self.params_now.get(k) != v}
+            sending = self.budget.start("logging tags", self._send_tags, tags, params, later)  # (while files upload)
         finally:
             if self._run is not None:
                 self._run.close()
             results = running.wait()
         self._note_uploads(uploads, results)
-        tags.update(self._run_tags(type_tags))
-        if running.down is not None:  # the server stopped answering: the tags would not get through
+        if running.down is not None:  # the server stopped answering
             raise running.down
+        saved: dict[str, str] = {}
         if self.mode != PassMode.METRICS:
             if not self.report.errors and not self.report.pending:
                 self._upload_manifests()  # last: after the files they describe
-            tags.update(self._save_state())
-        self._send_tags(tags, {k: v for k, v in origin.items() if self.params_now.get(k) != v}, later)
+            saved = self._save_state()
+        sending.result()
+        self._send_tags({k: v for k, v in saved.items() if tags.get(k) != v}, {}, [])  # (an upload failed)
 
     # -- step 1: handles and files ---------------------------------------------------------------
 
@@ -346,7 +353,8 @@ class _Pass:
     def _save_state(self) -> dict[str, str]:
         """Upload the sync record if it changed; the ``hookline.bytes`` tag that goes with it."""
         try:
-            saved = self.budget.call("the upload of the sync record", self.state.save, self.client, self.run_id)
+            saved = self.budget.call("the upload of the sync record", self.state.save, self.client, self.run_id,
+                                     self.repo)
         except TrackingUnreachableError:
             raise
         except TrackingError as e:
@@ -355,8 +363,19 @@ class _Pass:
         key = bytes_tag(self.rank)
         if not saved and key not in self.tags_now:
             return {}
-        files = [f"{ARTIFACT_ROOT}/{Path(p.entry['file']).as_posix()}" for p in self.plans if p.entry.get("file")]
-        return {key: str(self.state.size_of(files))}
+        return {key: str(self.state.size_of(self._plan_files()))}
+
+    def _plan_files(self) -> list[str]:
+        return [f"{ARTIFACT_ROOT}/{Path(p.entry['file']).as_posix()}" for p in self.plans if p.entry.get("file")]
+
+    def _expected_bytes(self, uploads: list[FileUpload]) -> dict[str, str]:
+        """The ``hookline.bytes`` tag as it will be once ``uploads`` are done, sent with the other
+        tags while they upload (:meth:`_save_state` corrects it when an upload failed; a tag
+        ahead of its sync record costs re-uploads at most: a record that does not read is empty)."""
+        key = bytes_tag(self.rank)
+        if self.mode == PassMode.METRICS or (not uploads and key not in self.tags_now):
+            return {}
+        return {key: str(self.state.size_of(self._plan_files(), {u.artifact: u.digest for u in uploads}))}
 
     # -- step 2: norm metrics --------------------------------------------------------------------
 
@@ -466,8 +485,12 @@ class _Pass:
                 self.report.skipped.append(apath)
                 continue
             try:
-                self.budget.call(f"the upload of {apath!r}", self.client.log_artifact, self.run_id, str(mpath),
-                                 ARTIFACT_ROOT, size=mpath.stat().st_size)
+                if self.repo is not None:
+                    self.budget.call(f"the upload of {apath!r}", self.repo.log_artifact, str(mpath), ARTIFACT_ROOT,
+                                     size=mpath.stat().st_size)
+                else:
+                    self.budget.call(f"the upload of {apath!r}", self.client.log_artifact, self.run_id, str(mpath),
+                                     ARTIFACT_ROOT, size=mpath.stat().st_size)
             except TrackingUnreachableError:
                 raise
             except Exception as e:  # noqa: BLE001

@@ -658,27 +658,29 @@ def test_partial_fields_and_stats_mode_fields(sqlite_tracking_uri, tmp_path):
     assert {metric_key("grads[fc]", f) for f in ("grad_in.0", "grad_out.0")} <= keys
 
 
-def test_one_failed_upload_is_reported_and_retried_alone(sqlite_tracking_uri, tmp_path):
+def test_one_failed_upload_is_reported_and_retried_alone(sqlite_tracking_uri, tmp_path, monkeypatch):
     from mlflow import MlflowClient
+    from mlflow.store.artifact.local_artifact_repo import LocalArtifactRepository
 
     client = MlflowClient(sqlite_tracking_uri)
     rid = client.create_run("0").info.run_id
     built = build_run(tmp_path / "run", SPECS, records=3)
     adapter = MlflowAdapter(rid, tracking_uri=sqlite_tracking_uri)
-    real = adapter.client.log_artifact
+    real = LocalArtifactRepository.log_artifact
 
-    def flaky(run_id, local_path, artifact_path=None):
-        if local_path.endswith("grads/blocks.0.h5"):
+    def flaky(repo, local_file, artifact_path=None):  # (the artifact store refuses one file)
+        if str(local_file).endswith("grads/blocks.0.h5"):
             raise OSError("disk quota exceeded on the artifact store")
-        return real(run_id, local_path, artifact_path)
+        return real(repo, local_file, artifact_path)
 
-    adapter.client.log_artifact = flaky
+    monkeypatch.setattr(LocalArtifactRepository, "log_artifact", flaky)
     with pytest.raises(TrackingError, match="grads/blocks.0.h5.*disk quota") as ei:
         adapter.log_run_dir(built.path)
     rep = ei.value.report
     assert rep.uploaded == ["hookline/outputs/blocks.0.h5"] and rep.metrics > 0
     assert "hookline/manifest.json" not in rep.uploaded  # the manifest waits for every file
     assert set(_sync_record(client, rid, tmp_path / "state")) == {"hookline/outputs/blocks.0.h5"}
+    monkeypatch.undo()
     again = sync(built.path, rid, tracking_uri=sqlite_tracking_uri)
     assert again.ok and sorted(again.uploaded) == ["hookline/grads/blocks.0.h5", "hookline/manifest.json"]
     assert again.metrics == 0
