@@ -710,3 +710,37 @@ def test_failed_mid_run_pass_made_good_by_the_final_one_is_not_an_error(sqlite_t
     final = adapter.close(timeout=60)  # the final pass succeeds: nothing is missing
     assert final.ok and len(final.uploaded) == 3
     assert len(client.get_metric_history(rid, metric_key("grads[blocks.0]", "grad_out.0"))) == 3
+
+
+def _requests(log: Path, since: int) -> list[str]:
+    """The HTTP requests (method and path) in a server's access log after line ``since``."""
+    lines = log.read_text(errors="replace").splitlines()[since:]
+    return [ln.split('"', 2)[1].split("?", 1)[0] for ln in lines if re.search(r'"(GET|POST|PUT) /', ln)]
+
+
+def test_a_repeat_sync_reads_the_sync_record_in_one_request_without_a_progress_bar(
+        mlflow_server_factory, tmp_path, capfd):
+    """The sync record is read straight from the run's artifact repository: one GET, no
+    progress bar on stderr (MLflow's download_artifacts looks the run up again, lists the path,
+    searches the run's logged models and draws a bar)."""
+    from mlflow import MlflowClient
+
+    server = mlflow_server_factory()
+    client = MlflowClient(server.uri)
+    rid = client.create_run("0").info.run_id
+    built = build_run(tmp_path / "run", SPECS, records=3)
+    assert sync(built.path, rid, tracking_uri=server.uri).ok
+    log = server.root / "server.log"
+    time.sleep(0.3)  # (the access log line is written after the answer)
+    n = len(log.read_text(errors="replace").splitlines())
+    capfd.readouterr()
+    again = sync(built.path, rid, tracking_uri=server.uri)
+    err = capfd.readouterr().err
+    assert again.ok and again.uploaded == [] and "hookline/manifest.json" in again.skipped, again
+    assert "Downloading" not in err and "%|" not in err, err  # (tqdm's bar)
+    time.sleep(0.3)
+    got = _requests(log, n)
+    record_reads = [r for r in got if "sync.json" in r]
+    assert len(record_reads) == 1 and record_reads[0].startswith("GET "), got
+    assert len([r for r in got if "/runs/get" in r]) == 1 and not [r for r in got if "logged-models" in r], got
+    assert len(got) <= 4, got  # probe, get_run, MLflow's capability check of its repository, the record
