@@ -40,8 +40,8 @@ from ..errors import DuplicateNameError, FormatError, HookTypeError, InvalidArgu
 from ..confine import RunRoot
 from ..errors import TrackingUnreachableError, UnknownNameError
 from ..format import check_manifest
-from .client import REACH_TIMEOUT_S, CallBudget, artifact_repository, budget_seconds, check_reachable, connect, get_run, \
-    short_error, tracking_uri_of
+from .client import REACH_TIMEOUT_S, CallBudget, artifact_repository, budget_seconds, connect, get_run, short_error, \
+    tracking_uri_of
 from .keys import (
     ARTIFACT_ROOT,
     FORMAT_VERSION_TAG,
@@ -140,18 +140,18 @@ class Uploader:
         self._client_lock = threading.Lock()
         self._pass_lock = threading.Lock()
         self._hashes: dict[Path, tuple[tuple[int, int], str]] = {}  # file digests, by (size, mtime)
-        self._probed = False  # connect() has just probed the server: the next pass need not
         self._run_now: Any = None  # the MLflow run as fetched by check_run(), for the next pass
         self._down: tuple[float, TrackingUnreachableError] | None = None  # the server's last failure
         self.state: SyncState | None = None  # the run's sync record, read once (this uploader updates it)
 
     @property
     def client(self) -> Any:
-        """The :class:`mlflow.MlflowClient` (connected on first use)."""
+        """The :class:`mlflow.MlflowClient` (connected on first use; the server is probed by the
+        first request of each pass, its ``get_run``)."""
         with self._client_lock:
             if self._client is None:
-                self._client = connect(self.tracking_uri, existing=self._existing_store, timeout=self.budget_s)
-                self._probed = True
+                self._client = connect(self.tracking_uri, existing=self._existing_store, timeout=self.budget_s,
+                                       probe=False)
             return self._client
 
     def budget(self) -> CallBudget:
@@ -166,23 +166,21 @@ class Uploader:
             UnknownNameError: the run does not exist or is deleted.
             TrackingError: the server failed (:class:`TrackingUnreachableError`: no proper answer).
         """
-        self._run_now = get_run(self.client, self.run_id, self.budget())
+        self._run_now = get_run(self.client, self.run_id, self.budget(), probe=True)
         return self._run_now
 
     def reach(self) -> None:
-        """Check that the server answers (unless connecting just did); one that failed less than 10 s
-        ago fails at once, again (the passes of one ``close()`` do not each wait for it)."""
+        """Fail at once, again, when the server failed less than 10 s ago (the passes of one
+        ``close()`` do not each wait for it)."""
         if self._down is not None and time.monotonic() - self._down[0] < REACH_TIMEOUT_S:
             raise self._down[1]
-        client = self.client
-        if not self._probed:
-            check_reachable(tracking_uri_of(client), budget=self.budget_s)
-        self._probed = False
 
     def fetch_run(self, budget: CallBudget) -> Any:
-        """The MLflow run: the one :meth:`check_run` fetched just before, else fetched now."""
+        """The MLflow run: the one :meth:`check_run` fetched just before, else fetched now by the
+        pass's probe (:func:`~.client.get_run` with ``probe=True``: a failing server fails in
+        seconds, not after MLflow's minutes of retries)."""
         run, self._run_now = self._run_now, None
-        return run if run is not None else get_run(self.client, self.run_id, budget)
+        return run if run is not None else get_run(self.client, self.run_id, budget, probe=True)
 
     def run(self, run_dir: Path, mode: PassMode) -> SyncReport:
         """One pass over ``run_dir`` (after a pass already running finished).
@@ -244,7 +242,7 @@ class _Pass:
         """Run the steps (module docstring) in order."""
         self.manifests = load_manifests(self.run_dir, self.rank)
         self.client = self.up.client
-        self.up.reach()  # fail in seconds, not after MLflow's minutes of retries
+        self.up.reach()
         self.budget = self.up.budget()
         run = self.up.fetch_run(self.budget)
         self.tags_now, self.params_now = dict(run.data.tags), dict(run.data.params)

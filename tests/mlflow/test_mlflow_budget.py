@@ -30,23 +30,26 @@ from hookline.tracker import HookManager, Recorder, select
 
 RUN_ID = "0123456789abcdef0123456789abcdef"
 BUDGET = 2.0  # seconds, for the tests
-PROBE = "/api/2.0/mlflow/experiments/get"
+PROBE = "/api/2.0/mlflow/experiments/get"  # (commands probe with it; a pass's probe is its get_run)
+RUN_PROBE = "/api/2.0/mlflow/runs/get"
 SPECS = [HandleSpec("outputs[blocks.0]", LINEAR, "outputs.0")]
 #: (server mode, what the error says it answered)
-ANSWERS = [("500", "answered HTTP 500"), ("hang", f"no answer to GET {PROBE}"),
+ANSWERS = [("500", "answered HTTP 500"), ("hang", "no answer to GET /api/2.0/mlflow/"),
            ("hang_after_probe", "did not finish get_run within 2 s")]
 
 
 class _Fake(http.server.BaseHTTPRequestHandler):
     """``mode``: ``"500"`` (every request), ``"hang"`` (``/health`` answers, nothing else does),
-    ``"hang_after_probe"`` (``/health`` and the reachability probe answer, MLflow's calls hang)."""
+    ``"hang_after_probe"`` (``/health`` and the reachability probes answer, with no run: MLflow's
+    own calls hang)."""
 
     mode = "500"
     release: threading.Event
 
     def _serve(self) -> None:
         path = self.path.split("?", 1)[0]
-        answers = path == "/health" or (self.mode == "hang_after_probe" and path == PROBE)
+        probe = path == PROBE or (path == RUN_PROBE and "User-Agent: Python-urllib" in str(self.headers))
+        answers = path == "/health" or (self.mode == "hang_after_probe" and probe)
         if self.mode == "500":
             self.send_response(500)
             self.end_headers()
