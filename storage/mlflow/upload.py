@@ -2,18 +2,28 @@
 
 What a pass does (:meth:`Uploader.run`), each step a method of :class:`_Pass`:
 
-1. reads the run directory's manifest(s) (``manifest.json`` / ``manifest.rank<r>.json``) and
-   checks that the MLflow run holds no other run directory;
+1. reads the run directory's manifest(s) (``manifest.json`` / ``manifest.rank<r>.json``), fetches
+   the MLflow run (that request is the reachability probe: :func:`~.client.get_run` with
+   ``probe=True``) and checks that it holds no other run directory;
 2. starts uploading every handle file whose size/SHA-256 differs from the run's sync record
    (:mod:`.syncstate`), as artifact ``hookline/<file>`` (``<file>`` is the manifest's relative path, i.e.
-   ``<key>.h5`` or ``<key>.rank<r>.h5``), several at once on plain threads;
+   ``<key>.h5`` or ``<key>.rank<r>.h5``), several at once on plain threads, straight to the run's
+   artifact repository;
 3. meanwhile logs the per-record L2 norms of every field and their running maximum as metric
-   series (step = training step) for the records not yet logged (:mod:`.runpage`), with
-   ``log_batch``;
-4. uploads the manifest(s) last, as ``hookline/manifest.json`` / ``hookline/manifest.rank<r>.json``,
-   then the sync record;
-5. logs the per-handle and run-level tags (and the ``hookline.origin`` param) with ``log_batch``
-   (a small pass sends its norm points in the same request).
+   series (step = training step) for the records not yet logged (:mod:`.runpage`), and the
+   per-handle and run-level tags (and the ``hookline.origin`` param), with ``log_batch``: a small
+   pass sends points, tags and params in one request, while the files upload;
+4. once every file is uploaded, uploads the manifest(s), as ``hookline/manifest.json`` /
+   ``hookline/manifest.rank<r>.json``, then the sync record; a ``hookline.bytes`` tag that an
+   upload failure made wrong is corrected last.
+
+Ordering rules: a manifest is uploaded only after every file it names (and only by a pass with no
+error and nothing pending), so a reader that finds it finds its files; the sync record lists only
+uploads that finished, and is written after them (a file it lists is never skipped unless it is
+there); a ``records`` tag (the watermark) goes in the same ``log_batch`` request as its points, or
+after them, and MLflow stores a request's metrics before its tags, so the watermark never runs
+ahead of the points. Tags may reach the run while its files still upload: a search can find the run
+a moment before its files are complete; a failed pass says so, and the next pass completes it.
 
 Every MLflow call is bounded by the time budget (:class:`~.client.CallBudget`).
 
