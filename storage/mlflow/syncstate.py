@@ -4,7 +4,10 @@ A pass uploads a file only when its ``<size>:<sha256>`` differs from the digest 
 record is the artifact ``hookline/sync.json`` (``hookline/sync.rank<r>.json`` for a ranked
 uploader), written after the uploads it describes. Tags would show every digest on the run page;
 an artifact keeps the page readable. The run tag ``hookline.bytes`` (:func:`~.keys.bytes_tag`),
-set with it, says that it exists, so the first pass of a run makes no request for it.
+set by the same pass, says that it exists, so the first pass of a run makes no request for it (the
+tag may arrive first: a record that is then missing or unreadable reads as empty, and the files
+are compared afresh). It is read and written straight through the run's artifact repository (one
+request each, no progress bar) when the pass has it.
 """
 
 from __future__ import annotations
