@@ -715,7 +715,8 @@ def test_failed_mid_run_pass_made_good_by_the_final_one_is_not_an_error(sqlite_t
 def _requests(log: Path, since: int) -> list[str]:
     """The HTTP requests (method and path) in a server's access log after line ``since``."""
     lines = log.read_text(errors="replace").splitlines()[since:]
-    return [ln.split('"', 2)[1].split("?", 1)[0] for ln in lines if re.search(r'"(GET|POST|PUT) /', ln)]
+    return [ln.split('"', 2)[1].split("?", 1)[0].replace(" HTTP/1.1", "") for ln in lines
+            if re.search(r'"(GET|POST|PUT) /', ln)]
 
 
 def test_a_repeat_sync_reads_the_sync_record_in_one_request_without_a_progress_bar(
@@ -744,3 +745,25 @@ def test_a_repeat_sync_reads_the_sync_record_in_one_request_without_a_progress_b
     assert len(record_reads) == 1 and record_reads[0].startswith("GET "), got
     assert len([r for r in got if "/runs/get" in r]) == 1 and not [r for r in got if "logged-models" in r], got
     assert len(got) <= 4, got  # probe, get_run, MLflow's capability check of its repository, the record
+
+
+def test_a_final_pass_fetches_its_run_once_and_sends_no_separate_probe(mlflow_server_factory, tmp_path):
+    """The pass's get_run is its reachability probe, and the uploads go straight to the run's
+    artifact repository (MLflow's log_artifact would fetch the run again): one runs/get, one PUT
+    per file, manifest and sync record, one log-batch for a small pass."""
+    from mlflow import MlflowClient
+
+    server = mlflow_server_factory()
+    rid = MlflowClient(server.uri).create_run("0").info.run_id
+    built = build_run(tmp_path / "run", SPECS, records=3)
+    log = server.root / "server.log"
+    time.sleep(0.3)
+    n = len(log.read_text(errors="replace").splitlines())
+    rep = MlflowAdapter(rid, tracking_uri=server.uri).log_run_dir(built.path)
+    assert rep.ok and len(rep.uploaded) == len(SPECS) + 1, rep
+    time.sleep(0.3)  # (the access log line is written after the answer)
+    got = _requests(log, n)
+    assert [r for r in got if r.startswith("GET ")] == ["GET /api/2.0/mlflow/runs/get"], got
+    puts = [r for r in got if r.startswith("PUT ")]
+    assert len(puts) == len(SPECS) + 2 and sum("sync.json" in r for r in puts) == 1, got
+    assert [r for r in got if r.startswith("POST ")] == ["POST /api/2.0/mlflow/runs/log-batch"], got
