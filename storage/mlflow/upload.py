@@ -285,7 +285,8 @@ class _Pass:
                 self._upload_manifests()  # last: after the files they describe
             saved = self._save_state()
         sending.result()
-        self._send_tags({k: v for k, v in saved.items() if tags.get(k) != v}, {}, [])  # (an upload failed)
+        # (an upload failed: the hookline.bytes tag sent with the others was ahead of the record)
+        self._log_batch([], {k: v for k, v in saved.items() if tags.get(k, self.tags_now.get(k)) != v})
 
     # -- step 1: handles and files ---------------------------------------------------------------
 

@@ -680,6 +680,9 @@ def test_one_failed_upload_is_reported_and_retried_alone(sqlite_tracking_uri, tm
     assert rep.uploaded == ["hookline/outputs/blocks.0.h5"] and rep.metrics > 0
     assert "hookline/manifest.json" not in rep.uploaded  # the manifest waits for every file
     assert set(_sync_record(client, rid, tmp_path / "state")) == {"hookline/outputs/blocks.0.h5"}
+    # the size tag says what the run holds: the uploaded file only (sent ahead, then corrected)
+    size = (built.path / "outputs" / "blocks.0.h5").stat().st_size
+    assert client.get_run(rid).data.tags["hookline.bytes"] == str(size)
     monkeypatch.undo()
     again = sync(built.path, rid, tracking_uri=sqlite_tracking_uri)
     assert again.ok and sorted(again.uploaded) == ["hookline/grads/blocks.0.h5", "hookline/manifest.json"]
