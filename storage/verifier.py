@@ -47,6 +47,7 @@ from .keys import handle_key
 from .reader import LocalSource
 from .synthesise import synthesise_manifests
 from .verify_report import QUARANTINE_DIR, HandleReport, VerifyReport
+from .words import plural
 
 __all__ = ["verify", "VerifyReport", "HandleReport", "QUARANTINE_DIR"]
 
@@ -66,7 +67,7 @@ def _check_part(p: Part) -> dict[str, int]:
     for nm in p.field_names:
         pf = p.field(nm)
         if len(pf.records) != pf.count:
-            raise FormatError(f"field {nm!r}: {len(pf.records)} record numbers for {pf.count} entries")
+            raise FormatError(f"field {nm!r}: {plural(len(pf.records), 'record number')} for {plural(pf.count, 'entry')}")
         if pf.count:
             if pf.info.has_norm and pf.stored_norms is None:
                 raise FormatError(f"field {nm!r}: norm index missing")
@@ -304,7 +305,7 @@ def _verify_handle(run_dir: Path, m: dict, hid: str, entry: dict, suffix: str, r
             hr.fields[nm] = hr.fields.get(nm, 0) + count
     claimed = entry.get("records")
     if isinstance(claimed, int) and claimed > hr.records:
-        hr.problems.append(f"manifest says {claimed} records, {hr.records} readable")
+        hr.problems.append(f"manifest says {plural(claimed, 'record')}, {hr.records} readable")
     final_rel = final_name(key, suffix)
     clean = len(good) == 1 and hr.files == [final_rel] and not d.superseded
     if not clean and not repair and (len(good) > 1 or d.superseded or (good and hr.files != [final_rel])):
@@ -554,7 +555,7 @@ def _merge_handle(run_dir: Path, good: list[_Checked], final_rel: str, hid: str,
     check = open_part(tmp)
     try:
         if check.n != n or n != hr.records:
-            raise StorageError(f"merged file {str(tmp)!r} has {check.n} records, expected {hr.records}; nothing removed")
+            raise StorageError(f"merged file {str(tmp)!r} has {plural(check.n, 'record')}, expected {hr.records}; nothing removed")
         _check_part(check)
     finally:
         check.close()
@@ -563,7 +564,7 @@ def _merge_handle(run_dir: Path, good: list[_Checked], final_rel: str, hid: str,
     for path in merged:
         if path != final and path.exists():
             os.unlink(path)
-    hr.repaired.append(f"merged {len(merged)} file(s) into {final_rel} ({n} records)")
+    hr.repaired.append(f"merged {plural(len(merged), 'file')} into {final_rel} ({plural(n, 'record')})")
     hr.files = [final_rel]
 
 

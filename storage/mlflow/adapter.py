@@ -47,14 +47,18 @@ class MlflowAdapter:
         upload_on_submit: also upload the handle files on every :meth:`submit` (default: only
             metrics and tags mid-run; files are uploaded by :meth:`close` / :meth:`log_run_dir`,
             since re-uploading growing files at every flush costs bandwidth).
+        mlflow_timeout: seconds each of the adapter's MLflow calls may take (file uploads one
+            more second per MiB); default ``$HOOKLINE_MLFLOW_TIMEOUT`` as set now, else 60.
 
     Raises:
-        InvalidArgumentError: for an empty/malformed run id or a negative rank.
+        InvalidArgumentError: for an empty/malformed run id, a negative rank, or an
+            ``mlflow_timeout`` (or ``$HOOKLINE_MLFLOW_TIMEOUT``) that is not a positive number.
     """
 
     def __init__(self, run_id: str, tracking_uri: str | None = None, rank: int | None = None, *,
-                 max_workers: int = 4, upload_on_submit: bool = False) -> None:
-        self._uploader = Uploader(run_id, rank=rank, tracking_uri=tracking_uri, max_workers=max_workers)
+                 max_workers: int = 4, upload_on_submit: bool = False, mlflow_timeout: float | None = None) -> None:
+        self._uploader = Uploader(run_id, rank=rank, tracking_uri=tracking_uri, max_workers=max_workers,
+                                  mlflow_timeout=mlflow_timeout)
         self.run_id = run_id
         self.tracking_uri = tracking_uri
         self.rank = rank

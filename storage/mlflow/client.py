@@ -9,14 +9,17 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 import urllib.parse
 from pathlib import Path
 from typing import Any, Callable
 
 from ..errors import HookTypeError, InvalidArgumentError, TrackingError, TrackingUnreachableError, UnknownNameError
 
-__all__ = ["REACH_TIMEOUT_S", "BUDGET_S", "BYTES_PER_S", "CallBudget", "budget_seconds", "connect",
-           "check_reachable", "resolve_tracking_uri", "tracking_uri_of", "get_run", "short_error", "active_run"]
+__all__ = ["REACH_TIMEOUT_S", "BUDGET_S", "BYTES_PER_S", "CallBudget", "PendingCall", "budget_seconds", "connect",
+           "check_reachable", "resolve_tracking_uri", "tracking_uri_of", "get_run", "artifact_repository",
+           "fetch_artifact",
+           "short_error", "active_run"]
 
 #: Seconds hookline's own MLflow calls may take by default (``mlflow_timeout=...``,
 #: ``$HOOKLINE_MLFLOW_TIMEOUT``): a call still running after that (MLflow retrying HTTP 500s for
@@ -96,28 +99,12 @@ class CallBudget:
             TrackingUnreachableError: the call did not finish in time.
             Exception: whatever ``fn`` raised.
         """
-        limit = self.limit(size)
-        box: dict[str, Any] = {}
-        done = threading.Event()
+        return self.start(what, fn, *args, size=size, **kwargs).result()
 
-        def run() -> None:
-            try:
-                box["value"] = fn(*args, **kwargs)
-            except BaseException as e:  # noqa: BLE001 - handed to the caller
-                box["error"] = e
-            finally:
-                done.set()
-
-        t = threading.Thread(target=run, name="hookline-mlflow-call", daemon=True)
-        try:
-            t.start()
-        except RuntimeError:  # interpreter exit (Python 3.12 starts no thread then): unbounded
-            return fn(*args, **kwargs)
-        if not done.wait(limit):
-            raise self.overrun(what, limit)
-        if "error" in box:
-            raise box["error"]
-        return box.get("value")
+    def start(self, what: str, fn: Callable[..., Any], *args: Any, size: int = 0, **kwargs: Any) -> PendingCall:
+        """Start ``fn(*args, **kwargs)`` on a daemon thread; :meth:`PendingCall.result` waits for it
+        at most the rest of the budget (counted from now). Arguments as :meth:`call`."""
+        return PendingCall(self, what, self.limit(size), fn, args, kwargs)
 
     def limit(self, size: int = 0) -> float:
         """Seconds a call transferring ``size`` bytes may take."""
@@ -130,6 +117,43 @@ class CallBudget:
             "budget for one MLflow call: mlflow_timeout=... / $HOOKLINE_MLFLOW_TIMEOUT, default "
             f"{BUDGET_S:g} s; MLflow keeps retrying a server that answers errors, and waits for one that does not "
             "answer): check the server; recorded files stay on disk, `hookline sync` uploads them later")
+
+
+class PendingCall:
+    """One MLflow call running on a daemon thread within a time limit (:meth:`CallBudget.start`)."""
+
+    def __init__(self, budget: CallBudget, what: str, limit: float, fn: Callable[..., Any], args: tuple,
+                 kwargs: dict[str, Any]) -> None:
+        self._budget, self._what, self._limit = budget, what, limit
+        self._box: dict[str, Any] = {}
+        self._done = threading.Event()
+        self._t0 = time.monotonic()
+
+        def run() -> None:
+            try:
+                self._box["value"] = fn(*args, **kwargs)
+            except BaseException as e:  # noqa: BLE001 - handed to the caller
+                self._box["error"] = e
+            finally:
+                self._done.set()
+
+        try:
+            threading.Thread(target=run, name="hookline-mlflow-call", daemon=True).start()
+        except RuntimeError:  # interpreter exit (Python 3.12 starts no thread then): unbounded
+            run()
+
+    def result(self) -> Any:
+        """The call's value, once it finished within its limit.
+
+        Raises:
+            TrackingUnreachableError: the call did not finish in time (it is left running).
+            Exception: whatever the call raised.
+        """
+        if not self._done.wait(max(0.0, self._t0 + self._limit - time.monotonic())):
+            raise self._budget.overrun(self._what, self._limit)
+        if "error" in self._box:
+            raise self._box["error"]
+        return self._box.get("value")
 
 
 def resolve_tracking_uri(tracking_uri: str | None) -> str:
@@ -170,7 +194,8 @@ def _check_store_exists(uri: str, implicit: bool) -> None:
     )
 
 
-def connect(tracking_uri: str | None, *, existing: bool = False, timeout: float | None = None) -> Any:
+def connect(tracking_uri: str | None, *, existing: bool = False, timeout: float | None = None,
+            probe: bool = True) -> Any:
     """An :class:`mlflow.MlflowClient` for ``tracking_uri`` (default: MLflow's resolution), after
     checking that an HTTP tracking server answers.
 
@@ -180,6 +205,8 @@ def connect(tracking_uri: str | None, *, existing: bool = False, timeout: float 
             file or store directory that is not there is a typo or the wrong folder, not a new
             store to create (this holds for MLflow's implicit default ``./mlflow.db`` too).
         timeout: the time budget (:func:`budget_seconds`); bounds the reachability probe.
+        probe: check that the server answers (False: the caller's first request does, e.g.
+            :func:`get_run` with ``probe=True``).
 
     Raises:
         InvalidArgumentError: MLflow cannot use the URI (e.g. ``htp://...``), or (``existing``)
@@ -202,7 +229,8 @@ def connect(tracking_uri: str | None, *, existing: bool = False, timeout: float 
             f"MLflow cannot use the tracking URI {tracking_uri!r}: {short_error(e)}; use e.g. "
             "http://127.0.0.1:5000, sqlite:///mlflow.db or a local directory"
         ) from e
-    check_reachable(tracking_uri_of(client), budget=timeout)
+    if probe:
+        check_reachable(tracking_uri_of(client), budget=timeout)
     return client
 
 
@@ -237,21 +265,31 @@ def check_reachable(uri: str, timeout: float | None = None, *, budget: float | N
         timeout = _probe_timeout(budget)
     if not uri.startswith(("http://", "https://")):
         return
+    _probe(uri, "/api/2.0/mlflow/experiments/get", "experiment_id=0", timeout)
+
+
+def _probe(uri: str, api: str, query: str, timeout: float) -> bytes | None:
+    """``GET <uri><api>?<query>`` once, without retries: the body of a 2xx answer; None for another
+    answer below 500 or a TLS handshake error (the server is there; MLflow's own settings handle
+    credentials and certificates).
+
+    Raises:
+        TrackingUnreachableError: a 5xx answer, a refused connection or no answer in time.
+    """
     import ssl
     import urllib.error
     import urllib.request
 
     shown = shown_uri(uri)
     parts = urllib.parse.urlsplit(shown)
-    path = parts.path.rstrip("/") + "/api/2.0/mlflow/experiments/get"
-    url = urllib.parse.urlunsplit((parts.scheme, parts.netloc, path, "experiment_id=0", ""))
+    path = parts.path.rstrip("/") + api
+    url = urllib.parse.urlunsplit((parts.scheme, parts.netloc, path, query, ""))
     try:
         with urllib.request.urlopen(url, timeout=timeout) as resp:
-            resp.read(64)
-        return
+            return resp.read()
     except urllib.error.HTTPError as e:
         if e.code < 500:
-            return  # an answer (401, 404 behind a proxy...): the server is there
+            return None  # an answer (401, 404 behind a proxy...): the server is there
         raise TrackingUnreachableError(
             f"the MLflow tracking server at {shown!r} is failing: it answered HTTP {e.code} {e.reason} to GET "
             f"{path}: check the server and its log (e.g. its backend store); recorded files stay on disk, "
@@ -259,7 +297,7 @@ def check_reachable(uri: str, timeout: float | None = None, *, budget: float | N
     except (OSError, ValueError) as e:  # URLError, refused, timed out, unresolvable, bad URL
         r = getattr(e, "reason", None) or e
         if isinstance(r, (ssl.SSLError, ssl.CertificateError)):
-            return  # it answered the TLS handshake (MLflow has its own certificate settings)
+            return None  # it answered the TLS handshake (MLflow has its own certificate settings)
         timed_out = isinstance(r, TimeoutError) or "timed out" in str(r)
         reason = f"no answer to GET {path}" if timed_out else f"{r}"
         raise TrackingUnreachableError(
@@ -268,25 +306,36 @@ def check_reachable(uri: str, timeout: float | None = None, *, budget: float | N
             "files stay on disk, `hookline sync` uploads them later") from e
 
 
+def _probe_run(client: Any, run_id: str, budget: CallBudget) -> Any:
+    """The run, fetched by the reachability probe itself (one ``runs/get`` without MLflow's
+    retries, classified as :func:`check_reachable` classifies its answer); None when the answer is
+    no run (an unknown run, credentials needed...): then MLflow's own ``get_run`` says why."""
+    uri = tracking_uri_of(client)
+    if not uri.startswith(("http://", "https://")):
+        return None
+    body = _probe(uri, "/api/2.0/mlflow/runs/get", urllib.parse.urlencode({"run_id": run_id}),
+                  min(REACH_TIMEOUT_S, budget.seconds))
+    try:
+        import json
+
+        from mlflow.entities import Run
+        from mlflow.protos.service_pb2 import GetRun
+        from mlflow.utils.proto_json_utils import parse_dict
+
+        msg = GetRun.Response()
+        parse_dict(json.loads(body or b"{}"), msg)
+        return Run.from_proto(msg.run) if msg.HasField("run") and msg.run.info.run_id == run_id else None
+    except Exception:  # noqa: BLE001 - not a run: MLflow's get_run decides
+        return None
+
+
 def tracking_uri_of(client: Any) -> str:
     """The tracking URI a :class:`mlflow.MlflowClient` talks to (``"?"`` when it does not say)."""
     return str(getattr(client, "tracking_uri", None) or "?")
 
 
-def get_run(client: Any, run_id: str, budget: CallBudget | None = None) -> Any:
-    """``client.get_run(run_id)`` with hookline errors that quote the run id and the tracking URI.
-
-    Args:
-        client: the :class:`mlflow.MlflowClient`.
-        run_id: the run.
-        budget: the time budget of the call (default: none).
-
-    Raises:
-        UnknownNameError: the run does not exist, or is deleted (MLflow accepts artifacts into a
-            deleted run but refuses its metrics).
-        TrackingUnreachableError: the call ran out of its budget.
-        TrackingError: any other failure.
-    """
+def _get_run(client: Any, run_id: str, budget: CallBudget | None) -> Any:
+    """MLflow's ``get_run``, its errors classified (see :func:`get_run`)."""
     try:
         run = client.get_run(run_id) if budget is None else budget.call("get_run", client.get_run, run_id)
     except TrackingError:
@@ -305,12 +354,69 @@ def get_run(client: Any, run_id: str, budget: CallBudget | None = None) -> Any:
         down = "Failed to establish a new connection" in text or "Max retries exceeded" in text
         raise (TrackingUnreachableError if down else TrackingError)(
             f"cannot reach MLflow run {run_id!r} at tracking URI {uri!r}: {short_error(e)}") from e
+    return run
+
+
+def get_run(client: Any, run_id: str, budget: CallBudget | None = None, *, probe: bool = False) -> Any:
+    """``client.get_run(run_id)`` with hookline errors that quote the run id and the tracking URI.
+
+    Args:
+        client: the :class:`mlflow.MlflowClient`.
+        run_id: the run.
+        budget: the time budget of the call (default: none).
+        probe: the request is also the reachability probe (an HTTP server that answers 5xx or
+            not at all fails within :data:`REACH_TIMEOUT_S` as :func:`check_reachable` does, and a
+            server that answers with the run needs no second request); needs ``budget``.
+
+    Raises:
+        UnknownNameError: the run does not exist, or is deleted (MLflow accepts artifacts into a
+            deleted run but refuses its metrics).
+        TrackingUnreachableError: the call ran out of its budget (or the probe failed).
+        TrackingError: any other failure.
+    """
+    run = _probe_run(client, run_id, budget) if probe and budget is not None else None
+    if run is None:
+        run = _get_run(client, run_id, budget)
     if getattr(run.info, "lifecycle_stage", "active") == "deleted":
         raise UnknownNameError(
             f"MLflow run {run_id!r} at tracking URI {tracking_uri_of(client)!r} is deleted: restore it "
             "(`mlflow runs restore --run-id ...`, the MLflow UI) or use another run"
         )
     return run
+
+
+def artifact_repository(client: Any, run: Any) -> Any:
+    """The artifact repository of ``run``, built from the run already fetched (None: let the
+    client resolve it, e.g. for a Databricks workspace or a run without an artifact URI).
+
+    ``MlflowClient.log_artifact``/``download_artifacts`` look the run up again (one more
+    ``get_run`` per client and run, and per call for downloads); a pass that has just fetched the
+    run goes to its repository directly, with the same repository MLflow would build.
+    """
+    uri = tracking_uri_of(client)
+    artifact_uri = getattr(getattr(run, "info", None), "artifact_uri", None)
+    if not artifact_uri or uri.startswith("databricks"):
+        return None
+    try:
+        from mlflow.store.artifact.artifact_repository_registry import get_artifact_repository
+
+        return get_artifact_repository(artifact_uri, tracking_uri=uri)
+    except Exception:  # noqa: BLE001 - a scheme that needs the client's own resolution
+        return None
+
+
+def fetch_artifact(client: Any, run_id: str, artifact: str, folder: Path, repo: Any = None) -> Path:
+    """Download the file ``artifact`` of a run into ``folder``; its local path. With ``repo`` (the
+    run's artifact repository) one GET and no progress bar, else through the client.
+    """
+    fetch_one = getattr(repo, "_download_file", None)  # (one GET; MLflow's own name since 1.x)
+    if fetch_one is not None:
+        got = folder / artifact.rsplit("/", 1)[-1]
+        fetch_one(remote_file_path=artifact, local_path=str(got))
+        return got
+    if repo is not None:
+        return Path(repo.download_artifacts(artifact, dst_path=str(folder)))
+    return Path(client.download_artifacts(run_id, artifact, dst_path=str(folder)))
 
 
 def short_error(e: BaseException) -> str:

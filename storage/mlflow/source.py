@@ -17,7 +17,7 @@ from typing import Any
 from ..confine import check_relative
 from ..errors import FormatError, TrackingError, TrackingUnreachableError, UnknownNameError
 from ..format import MANIFEST_RE
-from .client import CallBudget, connect, get_run, short_error, tracking_uri_of
+from .client import CallBudget, connect, fetch_artifact, get_run, short_error, tracking_uri_of
 from .uri import parse_run_uri
 
 __all__ = ["MlflowSource", "mlflow_source"]
@@ -97,15 +97,7 @@ class MlflowSource:
 
     def _fetch(self, apath: str, tmp: Path) -> Path:
         """Download one artifact into the folder ``tmp``; its local path."""
-        repo = self._repository()
-        fetch_one = getattr(repo, "_download_file", None)  # (one GET; MLflow's own name since 1.x)
-        if fetch_one is not None:
-            got = tmp / apath.rsplit("/", 1)[-1]
-            fetch_one(remote_file_path=apath, local_path=str(got))
-            return got
-        if repo is not None:
-            return Path(repo.download_artifacts(apath, dst_path=str(tmp)))
-        return Path(self.client.download_artifacts(self.run_id, apath, dst_path=str(tmp)))
+        return fetch_artifact(self.client, self.run_id, apath, tmp, self._repository())
 
     def _download(self, apath: str, size: int | None = None) -> Path:
         final = self.cache_dir / apath

@@ -4,7 +4,10 @@ A pass uploads a file only when its ``<size>:<sha256>`` differs from the digest 
 record is the artifact ``hookline/sync.json`` (``hookline/sync.rank<r>.json`` for a ranked
 uploader), written after the uploads it describes. Tags would show every digest on the run page;
 an artifact keeps the page readable. The run tag ``hookline.bytes`` (:func:`~.keys.bytes_tag`),
-set with it, says that it exists, so the first pass of a run makes no request for it.
+set by the same pass, says that it exists, so the first pass of a run makes no request for it (the
+tag may arrive first: a record that is then missing or unreadable reads as empty, and the files
+are compared afresh). It is read and written straight through the run's artifact repository (one
+request each, no progress bar) when the pass has it.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import TrackingError
-from .client import short_error
+from .client import fetch_artifact, short_error
 from .keys import ARTIFACT_ROOT, bytes_tag
 
 __all__ = ["SyncState"]
@@ -44,7 +47,8 @@ class SyncState:
         return f"{ARTIFACT_ROOT}/sync.json" if self.rank is None else f"{ARTIFACT_ROOT}/sync.rank{int(self.rank)}.json"
 
     @classmethod
-    def load(cls, client: Any, run_id: str, rank: int | None, run_tags: dict[str, str]) -> SyncState:
+    def load(cls, client: Any, run_id: str, rank: int | None, run_tags: dict[str, str],
+             repo: Any = None) -> SyncState:
         """The run's state; empty when the run has none yet (no ``hookline.bytes`` tag: no request)
         or it does not read (then files are compared afresh and uploaded again: safe, only slower).
 
@@ -53,13 +57,16 @@ class SyncState:
             run_id: the MLflow run.
             rank: the uploader's rank.
             run_tags: the run's tags now.
+            repo: the run's artifact repository (:func:`~.client.artifact_repository`): the record
+                is then one request, without a progress bar (``MlflowClient.download_artifacts``
+                looks the run up again, lists the path and searches its logged models first).
         """
         state = cls(rank)
         if bytes_tag(rank) not in run_tags:
             return state
         try:
             with tempfile.TemporaryDirectory(prefix="hookline-sync-") as tmp:
-                got = Path(client.download_artifacts(run_id, state.artifact, dst_path=tmp))
+                got = fetch_artifact(client, run_id, state.artifact, Path(tmp), repo)
                 doc = json.loads(got.read_text(encoding="utf-8"))
         except Exception as e:  # noqa: BLE001 - a missing or damaged record costs re-uploads only
             log.debug("hookline: reading %s of run %s failed (%s); comparing every file afresh",
@@ -80,16 +87,19 @@ class SyncState:
             self.files[artifact] = digest
             self._changed = True
 
-    def size_of(self, artifacts: list[str]) -> int:
-        """Bytes of the recorded files among ``artifacts`` (the size part of their digests)."""
+    def size_of(self, artifacts: list[str], more: dict[str, str] | None = None) -> int:
+        """Bytes of the recorded files among ``artifacts`` (the size part of their digests), with
+        the digests ``more`` (artifact -> digest) recorded on top."""
+        files = {**self.files, **(more or {})}
         total = 0
         for a in artifacts:
-            head = (self.files.get(a) or "").split(":", 1)[0]
+            head = (files.get(a) or "").split(":", 1)[0]
             total += int(head) if head.isdigit() else 0
         return total
 
-    def save(self, client: Any, run_id: str) -> bool:
-        """Upload the record if it changed; True when it did.
+    def save(self, client: Any, run_id: str, repo: Any = None) -> bool:
+        """Upload the record if it changed (into ``repo``, the run's artifact repository, when
+        given); True when it did.
 
         Raises:
             TrackingError: the upload failed (the next pass uploads the unrecorded files again).
@@ -98,8 +108,15 @@ class SyncState:
             return False
         text = json.dumps({"format": _FORMAT, "files": dict(sorted(self.files.items()))}, indent=1)
         try:
-            client.log_text(run_id, text, self.artifact)
+            if repo is None:
+                client.log_text(run_id, text, self.artifact)
+            else:
+                with tempfile.TemporaryDirectory(prefix="hookline-sync-") as tmp:
+                    local = Path(tmp) / self.artifact.rsplit("/", 1)[-1]
+                    local.write_text(text, encoding="utf-8")
+                    repo.log_artifact(str(local), ARTIFACT_ROOT)
         except Exception as e:  # noqa: BLE001
             raise TrackingError(f"upload of {self.artifact!r} failed: {short_error(e)}") from e
         self._changed = False
         return True
+

@@ -37,12 +37,14 @@ class ParallelUploads:
     final pass at interpreter exit, when executors refuse new work; daemon, so that an upload
     stuck past the exit time limit does not keep the process alive. :meth:`wait` waits at most
     ``budget.limit(all the files' bytes)``; uploads still running then are reported (:attr:`down`:
-    the error, else None) and left behind. ``client``/``run_id``: where to upload.
+    the error, else None) and left behind. ``client``/``run_id``: where to upload; ``repo``: the
+    run's artifact repository (:func:`~.client.artifact_repository`), else the client's.
     """
 
-    def __init__(self, client: Any, run_id: str, max_workers: int, budget: CallBudget) -> None:
+    def __init__(self, client: Any, run_id: str, max_workers: int, budget: CallBudget, repo: Any = None) -> None:
         self._client = client
         self._run_id = run_id
+        self._repo = repo
         self._budget = budget
         self._max = max_workers
         self.down: TrackingUnreachableError | None = None
@@ -53,6 +55,8 @@ class ParallelUploads:
         self._cond = threading.Condition()
         self._no_more = False
         self._first = threading.Event()  # the first upload finished (MLflow cached the run's repository)
+        if repo is not None:
+            self._first.set()  # (the repository is at hand: no lookup to wait for)
         self._t0 = time.monotonic()
         self._threads: list[threading.Thread] = []
 
@@ -84,7 +88,10 @@ class ParallelUploads:
                 self._first.wait()
             up = self._uploads[i]
             try:
-                self._client.log_artifact(self._run_id, str(up.local), up.artifact.rsplit("/", 1)[0])
+                if self._repo is not None:
+                    self._repo.log_artifact(str(up.local), up.artifact.rsplit("/", 1)[0])
+                else:
+                    self._client.log_artifact(self._run_id, str(up.local), up.artifact.rsplit("/", 1)[0])
             except Exception as e:  # noqa: BLE001 - reported per file
                 self._errors[i] = short_error(e)
             self._done[i] = True

@@ -2,18 +2,28 @@
 
 What a pass does (:meth:`Uploader.run`), each step a method of :class:`_Pass`:
 
-1. reads the run directory's manifest(s) (``manifest.json`` / ``manifest.rank<r>.json``) and
-   checks that the MLflow run holds no other run directory;
+1. reads the run directory's manifest(s) (``manifest.json`` / ``manifest.rank<r>.json``), fetches
+   the MLflow run (that request is the reachability probe: :func:`~.client.get_run` with
+   ``probe=True``) and checks that it holds no other run directory;
 2. starts uploading every handle file whose size/SHA-256 differs from the run's sync record
    (:mod:`.syncstate`), as artifact ``hookline/<file>`` (``<file>`` is the manifest's relative path, i.e.
-   ``<key>.h5`` or ``<key>.rank<r>.h5``), several at once on plain threads;
+   ``<key>.h5`` or ``<key>.rank<r>.h5``), several at once on plain threads, straight to the run's
+   artifact repository;
 3. meanwhile logs the per-record L2 norms of every field and their running maximum as metric
-   series (step = training step) for the records not yet logged (:mod:`.runpage`), with
-   ``log_batch``;
-4. uploads the manifest(s) last, as ``hookline/manifest.json`` / ``hookline/manifest.rank<r>.json``,
-   then the sync record;
-5. logs the per-handle and run-level tags (and the ``hookline.origin`` param) with ``log_batch``
-   (a small pass sends its norm points in the same request).
+   series (step = training step) for the records not yet logged (:mod:`.runpage`), and the
+   per-handle and run-level tags (and the ``hookline.origin`` param), with ``log_batch``: a small
+   pass sends points, tags and params in one request, while the files upload;
+4. once every file is uploaded, uploads the manifest(s), as ``hookline/manifest.json`` /
+   ``hookline/manifest.rank<r>.json``, then the sync record; a ``hookline.bytes`` tag that an
+   upload failure made wrong is corrected last.
+
+Ordering rules: a manifest is uploaded only after every file it names (and only by a pass with no
+error and nothing pending), so a reader that finds it finds its files; the sync record lists only
+uploads that finished, and is written after them (a file it lists is never skipped unless it is
+there); a ``records`` tag (the watermark) goes in the same ``log_batch`` request as its points, or
+after them, and MLflow stores a request's metrics before its tags, so the watermark never runs
+ahead of the points. Tags may reach the run while its files still upload: a search can find the run
+a moment before its files are complete; a failed pass says so, and the next pass completes it.
 
 Every MLflow call is bounded by the time budget (:class:`~.client.CallBudget`).
 
@@ -40,7 +50,7 @@ from ..errors import DuplicateNameError, FormatError, HookTypeError, InvalidArgu
 from ..confine import RunRoot
 from ..errors import TrackingUnreachableError, UnknownNameError
 from ..format import check_manifest
-from .client import REACH_TIMEOUT_S, CallBudget, budget_seconds, check_reachable, connect, get_run, short_error, \
+from .client import REACH_TIMEOUT_S, CallBudget, artifact_repository, budget_seconds, connect, get_run, short_error, \
     tracking_uri_of
 from .keys import (
     ARTIFACT_ROOT,
@@ -140,18 +150,18 @@ class Uploader:
         self._client_lock = threading.Lock()
         self._pass_lock = threading.Lock()
         self._hashes: dict[Path, tuple[tuple[int, int], str]] = {}  # file digests, by (size, mtime)
-        self._probed = False  # connect() has just probed the server: the next pass need not
         self._run_now: Any = None  # the MLflow run as fetched by check_run(), for the next pass
         self._down: tuple[float, TrackingUnreachableError] | None = None  # the server's last failure
         self.state: SyncState | None = None  # the run's sync record, read once (this uploader updates it)
 
     @property
     def client(self) -> Any:
-        """The :class:`mlflow.MlflowClient` (connected on first use)."""
+        """The :class:`mlflow.MlflowClient` (connected on first use; the server is probed by the
+        first request of each pass, its ``get_run``)."""
         with self._client_lock:
             if self._client is None:
-                self._client = connect(self.tracking_uri, existing=self._existing_store, timeout=self.budget_s)
-                self._probed = True
+                self._client = connect(self.tracking_uri, existing=self._existing_store, timeout=self.budget_s,
+                                       probe=False)
             return self._client
 
     def budget(self) -> CallBudget:
@@ -166,23 +176,21 @@ class Uploader:
             UnknownNameError: the run does not exist or is deleted.
             TrackingError: the server failed (:class:`TrackingUnreachableError`: no proper answer).
         """
-        self._run_now = get_run(self.client, self.run_id, self.budget())
+        self._run_now = get_run(self.client, self.run_id, self.budget(), probe=True)
         return self._run_now
 
     def reach(self) -> None:
-        """Check that the server answers (unless connecting just did); one that failed less than 10 s
-        ago fails at once, again (the passes of one ``close()`` do not each wait for it)."""
+        """Fail at once, again, when the server failed less than 10 s ago (the passes of one
+        ``close()`` do not each wait for it)."""
         if self._down is not None and time.monotonic() - self._down[0] < REACH_TIMEOUT_S:
             raise self._down[1]
-        client = self.client
-        if not self._probed:
-            check_reachable(tracking_uri_of(client), budget=self.budget_s)
-        self._probed = False
 
     def fetch_run(self, budget: CallBudget) -> Any:
-        """The MLflow run: the one :meth:`check_run` fetched just before, else fetched now."""
+        """The MLflow run: the one :meth:`check_run` fetched just before, else fetched now by the
+        pass's probe (:func:`~.client.get_run` with ``probe=True``: a failing server fails in
+        seconds, not after MLflow's minutes of retries)."""
         run, self._run_now = self._run_now, None
-        return run if run is not None else get_run(self.client, self.run_id, budget)
+        return run if run is not None else get_run(self.client, self.run_id, budget, probe=True)
 
     def run(self, run_dir: Path, mode: PassMode) -> SyncReport:
         """One pass over ``run_dir`` (after a pass already running finished).
@@ -236,6 +244,7 @@ class _Pass:
         self.refused: set[tuple[str, int | None]] = set()
         self._run: Any = None  # the run directory opened with the storage reader, on first need
         self.budget: CallBudget | None = None
+        self.repo: Any = None  # the run's artifact repository (None: uploads go through the client)
         #: norm series read while a file was checked (opened once): (handle id, rank) -> (records, series)
         self.series: dict[tuple[str, int | None], tuple[int, list[NormSeries]]] = {}
 
@@ -243,34 +252,41 @@ class _Pass:
         """Run the steps (module docstring) in order."""
         self.manifests = load_manifests(self.run_dir, self.rank)
         self.client = self.up.client
-        self.up.reach()  # fail in seconds, not after MLflow's minutes of retries
+        self.up.reach()
         self.budget = self.up.budget()
-        data = self.up.fetch_run(self.budget).data
-        self.tags_now, self.params_now = dict(data.tags), dict(data.params)
+        run = self.up.fetch_run(self.budget)
+        self.tags_now, self.params_now = dict(run.data.tags), dict(run.data.params)
         origin = check_origin(self.run_id, self.run_dir, self.manifests, self.tags_now, self.params_now)
+        self.repo = artifact_repository(self.client, run)  # (no second lookup of the run by MLflow)
         if self.mode != PassMode.METRICS:
             if self.up.state is None:
                 self.up.state = self.budget.call("reading the sync record", SyncState.load, self.client,
-                                                 self.run_id, self.rank, self.tags_now)
+                                                 self.run_id, self.rank, self.tags_now, self.repo)
             self.state = self.up.state
         self.plans = self._plan_handles()
-        running = ParallelUploads(self.client, self.run_id, self.up.max_workers, self.budget)
+        running = ParallelUploads(self.client, self.run_id, self.up.max_workers, self.budget, self.repo)
         uploads = self._files_to_upload(running)  # (each starts as soon as its file is checked)
         try:
             tags, type_tags, later = self._log_norms()
+            tags.update(self._run_tags(type_tags))
+            tags.update(self._expected_bytes(uploads))
+            params = {k: v for k, v in origin.items() if self.params_now.get(k) != v}
+            sending = self.budget.start("logging tags", self._send_tags, tags, params, later)  # (while files upload)
         finally:
             if self._run is not None:
                 self._run.close()
             results = running.wait()
         self._note_uploads(uploads, results)
-        tags.update(self._run_tags(type_tags))
-        if running.down is not None:  # the server stopped answering: the tags would not get through
+        if running.down is not None:  # the server stopped answering
             raise running.down
+        saved: dict[str, str] = {}
         if self.mode != PassMode.METRICS:
             if not self.report.errors and not self.report.pending:
                 self._upload_manifests()  # last: after the files they describe
-            tags.update(self._save_state())
-        self._send_tags(tags, {k: v for k, v in origin.items() if self.params_now.get(k) != v}, later)
+            saved = self._save_state()
+        sending.result()
+        # (an upload failed: the hookline.bytes tag sent with the others was ahead of the record)
+        self._log_batch([], {k: v for k, v in saved.items() if tags.get(k, self.tags_now.get(k)) != v})
 
     # -- step 1: handles and files ---------------------------------------------------------------
 
@@ -346,7 +362,8 @@ class _Pass:
     def _save_state(self) -> dict[str, str]:
         """Upload the sync record if it changed; the ``hookline.bytes`` tag that goes with it."""
         try:
-            saved = self.budget.call("the upload of the sync record", self.state.save, self.client, self.run_id)
+            saved = self.budget.call("the upload of the sync record", self.state.save, self.client, self.run_id,
+                                     self.repo)
         except TrackingUnreachableError:
             raise
         except TrackingError as e:
@@ -355,8 +372,19 @@ class _Pass:
         key = bytes_tag(self.rank)
         if not saved and key not in self.tags_now:
             return {}
-        files = [f"{ARTIFACT_ROOT}/{Path(p.entry['file']).as_posix()}" for p in self.plans if p.entry.get("file")]
-        return {key: str(self.state.size_of(files))}
+        return {key: str(self.state.size_of(self._plan_files()))}
+
+    def _plan_files(self) -> list[str]:
+        return [f"{ARTIFACT_ROOT}/{Path(p.entry['file']).as_posix()}" for p in self.plans if p.entry.get("file")]
+
+    def _expected_bytes(self, uploads: list[FileUpload]) -> dict[str, str]:
+        """The ``hookline.bytes`` tag as it will be once ``uploads`` are done, sent with the other
+        tags while they upload (:meth:`_save_state` corrects it when an upload failed; a tag
+        ahead of its sync record costs re-uploads at most: a record that does not read is empty)."""
+        key = bytes_tag(self.rank)
+        if self.mode == PassMode.METRICS or (not uploads and key not in self.tags_now):
+            return {}
+        return {key: str(self.state.size_of(self._plan_files(), {u.artifact: u.digest for u in uploads}))}
 
     # -- step 2: norm metrics --------------------------------------------------------------------
 
@@ -466,8 +494,12 @@ class _Pass:
                 self.report.skipped.append(apath)
                 continue
             try:
-                self.budget.call(f"the upload of {apath!r}", self.client.log_artifact, self.run_id, str(mpath),
-                                 ARTIFACT_ROOT, size=mpath.stat().st_size)
+                if self.repo is not None:
+                    self.budget.call(f"the upload of {apath!r}", self.repo.log_artifact, str(mpath), ARTIFACT_ROOT,
+                                     size=mpath.stat().st_size)
+                else:
+                    self.budget.call(f"the upload of {apath!r}", self.client.log_artifact, self.run_id, str(mpath),
+                                     ARTIFACT_ROOT, size=mpath.stat().st_size)
             except TrackingUnreachableError:
                 raise
             except Exception as e:  # noqa: BLE001

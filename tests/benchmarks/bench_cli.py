@@ -22,7 +22,7 @@ It also prints the requests each command sent (from the server's access log).
 
 Usage::
 
-    .venv/bin/python tests/benchmarks/bench_cli.py [--rounds 5] [--close-rounds 7]
+    .venv/bin/python tests/benchmarks/bench_cli.py [--rounds 5] [--close-rounds 7] [--close-only]
 """
 
 from __future__ import annotations
@@ -199,13 +199,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=5, help="rounds of the CLI commands")
     ap.add_argument("--close-rounds", type=int, default=7, help="rounds of the close() comparison")
+    ap.add_argument("--close-only", action="store_true", help="skip the CLI commands (close() comparison only)")
     args = ap.parse_args()
     os.environ.pop("MLFLOW_TRACKING_URI", None)
     root = Path(tempfile.mkdtemp(prefix="hookline-bench-cli-"))
     proc, uri = start_server(root)
     try:
         print(f"mlflow server {uri}; load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores\n")
-        bench_commands(uri, root, args.rounds)
+        if not args.close_only:
+            bench_commands(uri, root, args.rounds)
         bench_close(uri, root, args.close_rounds)
         print(f"\nload average at the end {os.getloadavg()[0]:.2f}")
     finally:

@@ -658,27 +658,32 @@ def test_partial_fields_and_stats_mode_fields(sqlite_tracking_uri, tmp_path):
     assert {metric_key("grads[fc]", f) for f in ("grad_in.0", "grad_out.0")} <= keys
 
 
-def test_one_failed_upload_is_reported_and_retried_alone(sqlite_tracking_uri, tmp_path):
+def test_one_failed_upload_is_reported_and_retried_alone(sqlite_tracking_uri, tmp_path, monkeypatch):
     from mlflow import MlflowClient
+    from mlflow.store.artifact.local_artifact_repo import LocalArtifactRepository
 
     client = MlflowClient(sqlite_tracking_uri)
     rid = client.create_run("0").info.run_id
     built = build_run(tmp_path / "run", SPECS, records=3)
     adapter = MlflowAdapter(rid, tracking_uri=sqlite_tracking_uri)
-    real = adapter.client.log_artifact
+    real = LocalArtifactRepository.log_artifact
 
-    def flaky(run_id, local_path, artifact_path=None):
-        if local_path.endswith("grads/blocks.0.h5"):
+    def flaky(repo, local_file, artifact_path=None):  # (the artifact store refuses one file)
+        if str(local_file).endswith("grads/blocks.0.h5"):
             raise OSError("disk quota exceeded on the artifact store")
-        return real(run_id, local_path, artifact_path)
+        return real(repo, local_file, artifact_path)
 
-    adapter.client.log_artifact = flaky
+    monkeypatch.setattr(LocalArtifactRepository, "log_artifact", flaky)
     with pytest.raises(TrackingError, match="grads/blocks.0.h5.*disk quota") as ei:
         adapter.log_run_dir(built.path)
     rep = ei.value.report
     assert rep.uploaded == ["hookline/outputs/blocks.0.h5"] and rep.metrics > 0
     assert "hookline/manifest.json" not in rep.uploaded  # the manifest waits for every file
     assert set(_sync_record(client, rid, tmp_path / "state")) == {"hookline/outputs/blocks.0.h5"}
+    # the size tag says what the run holds: the uploaded file only (sent ahead, then corrected)
+    size = (built.path / "outputs" / "blocks.0.h5").stat().st_size
+    assert client.get_run(rid).data.tags["hookline.bytes"] == str(size)
+    monkeypatch.undo()
     again = sync(built.path, rid, tracking_uri=sqlite_tracking_uri)
     assert again.ok and sorted(again.uploaded) == ["hookline/grads/blocks.0.h5", "hookline/manifest.json"]
     assert again.metrics == 0
@@ -708,3 +713,60 @@ def test_failed_mid_run_pass_made_good_by_the_final_one_is_not_an_error(sqlite_t
     final = adapter.close(timeout=60)  # the final pass succeeds: nothing is missing
     assert final.ok and len(final.uploaded) == 3
     assert len(client.get_metric_history(rid, metric_key("grads[blocks.0]", "grad_out.0"))) == 3
+
+
+def _requests(log: Path, since: int) -> list[str]:
+    """The HTTP requests (method and path) in a server's access log after line ``since``."""
+    lines = log.read_text(errors="replace").splitlines()[since:]
+    return [ln.split('"', 2)[1].split("?", 1)[0].replace(" HTTP/1.1", "") for ln in lines
+            if re.search(r'"(GET|POST|PUT) /', ln)]
+
+
+def test_a_repeat_sync_reads_the_sync_record_in_one_request_without_a_progress_bar(
+        mlflow_server_factory, tmp_path, capfd):
+    """The sync record is read straight from the run's artifact repository: one GET, no
+    progress bar on stderr (MLflow's download_artifacts looks the run up again, lists the path,
+    searches the run's logged models and draws a bar)."""
+    from mlflow import MlflowClient
+
+    server = mlflow_server_factory()
+    client = MlflowClient(server.uri)
+    rid = client.create_run("0").info.run_id
+    built = build_run(tmp_path / "run", SPECS, records=3)
+    assert sync(built.path, rid, tracking_uri=server.uri).ok
+    log = server.root / "server.log"
+    time.sleep(0.3)  # (the access log line is written after the answer)
+    n = len(log.read_text(errors="replace").splitlines())
+    capfd.readouterr()
+    again = sync(built.path, rid, tracking_uri=server.uri)
+    err = capfd.readouterr().err
+    assert again.ok and again.uploaded == [] and "hookline/manifest.json" in again.skipped, again
+    assert "Downloading" not in err and "%|" not in err, err  # (tqdm's bar)
+    time.sleep(0.3)
+    got = _requests(log, n)
+    record_reads = [r for r in got if "sync.json" in r]
+    assert len(record_reads) == 1 and record_reads[0].startswith("GET "), got
+    assert len([r for r in got if "/runs/get" in r]) == 1 and not [r for r in got if "logged-models" in r], got
+    assert len(got) <= 4, got  # probe, get_run, MLflow's capability check of its repository, the record
+
+
+def test_a_final_pass_fetches_its_run_once_and_sends_no_separate_probe(mlflow_server_factory, tmp_path):
+    """The pass's get_run is its reachability probe, and the uploads go straight to the run's
+    artifact repository (MLflow's log_artifact would fetch the run again): one runs/get, one PUT
+    per file, manifest and sync record, one log-batch for a small pass."""
+    from mlflow import MlflowClient
+
+    server = mlflow_server_factory()
+    rid = MlflowClient(server.uri).create_run("0").info.run_id
+    built = build_run(tmp_path / "run", SPECS, records=3)
+    log = server.root / "server.log"
+    time.sleep(0.3)
+    n = len(log.read_text(errors="replace").splitlines())
+    rep = MlflowAdapter(rid, tracking_uri=server.uri).log_run_dir(built.path)
+    assert rep.ok and len(rep.uploaded) == len(SPECS) + 1, rep
+    time.sleep(0.3)  # (the access log line is written after the answer)
+    got = _requests(log, n)
+    assert [r for r in got if r.startswith("GET ")] == ["GET /api/2.0/mlflow/runs/get"], got
+    puts = [r for r in got if r.startswith("PUT ")]
+    assert len(puts) == len(SPECS) + 2 and sum("sync.json" in r for r in puts) == 1, got
+    assert [r for r in got if r.startswith("POST ")] == ["POST /api/2.0/mlflow/runs/log-batch"], got

@@ -30,23 +30,26 @@ from hookline.tracker import HookManager, Recorder, select
 
 RUN_ID = "0123456789abcdef0123456789abcdef"
 BUDGET = 2.0  # seconds, for the tests
-PROBE = "/api/2.0/mlflow/experiments/get"
+PROBE = "/api/2.0/mlflow/experiments/get"  # (commands probe with it; a pass's probe is its get_run)
+RUN_PROBE = "/api/2.0/mlflow/runs/get"
 SPECS = [HandleSpec("outputs[blocks.0]", LINEAR, "outputs.0")]
 #: (server mode, what the error says it answered)
-ANSWERS = [("500", "answered HTTP 500"), ("hang", f"no answer to GET {PROBE}"),
+ANSWERS = [("500", "answered HTTP 500"), ("hang", "no answer to GET /api/2.0/mlflow/"),
            ("hang_after_probe", "did not finish get_run within 2 s")]
 
 
 class _Fake(http.server.BaseHTTPRequestHandler):
     """``mode``: ``"500"`` (every request), ``"hang"`` (``/health`` answers, nothing else does),
-    ``"hang_after_probe"`` (``/health`` and the reachability probe answer, MLflow's calls hang)."""
+    ``"hang_after_probe"`` (``/health`` and the reachability probes answer, with no run: MLflow's
+    own calls hang)."""
 
     mode = "500"
     release: threading.Event
 
     def _serve(self) -> None:
         path = self.path.split("?", 1)[0]
-        answers = path == "/health" or (self.mode == "hang_after_probe" and path == PROBE)
+        probe = path == PROBE or (path == RUN_PROBE and "User-Agent: Python-urllib" in str(self.headers))
+        answers = path == "/health" or (self.mode == "hang_after_probe" and probe)
         if self.mode == "500":
             self.send_response(500)
             self.end_headers()
@@ -216,3 +219,37 @@ def test_bad_budgets_are_named(monkeypatch):
     monkeypatch.setenv("HOOKLINE_MLFLOW_TIMEOUT", "soon")
     with pytest.raises(InvalidArgumentError, match="HOOKLINE_MLFLOW_TIMEOUT .* got 'soon'"):
         Uploader(RUN_ID)
+
+
+def test_the_adapter_and_the_recorder_take_the_budget_as_a_keyword(fake_server, tmp_path, monkeypatch):
+    """``MlflowAdapter(mlflow_timeout=...)`` and ``Recorder(mlflow_timeout=...)`` bound each call by
+    the keyword, over the environment; a bad value is refused before anything is created."""
+    from hookline.storage import MlflowAdapter
+
+    monkeypatch.setenv("HOOKLINE_MLFLOW_TIMEOUT", "300")
+    bad = fake_server("hang_after_probe")
+    built = build_run(tmp_path / "run", SPECS, records=2)
+    adapter = MlflowAdapter(RUN_ID, tracking_uri=bad, mlflow_timeout=1.5)
+    t0 = time.perf_counter()
+    with pytest.raises(TrackingUnreachableError, match=r"did not finish get_run within 1\.5 s"):
+        adapter.log_run_dir(built.path)
+    assert time.perf_counter() - t0 < 4.0
+    adapter.close(raise_on_error=False)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 2))
+    rec = Recorder(tmp_path / "rec", mlflow_run_id=RUN_ID, tracking_uri=bad, mlflow_timeout=1.5)
+    HookManager().register_forward_hook(rec.outputs, **select(model, "*", types=nn.Linear))
+    with rec.step(0):
+        model(torch.randn(3, 4))
+    t0 = time.perf_counter()
+    with pytest.raises(TrackingUnreachableError, match=r"did not finish get_run within 1\.5 s"):
+        rec.close()
+    assert time.perf_counter() - t0 < 4.0
+
+    for value in (0, "soon"):
+        with pytest.raises(InvalidArgumentError, match=f"mlflow_timeout must be a positive number.*{value!r}"):
+            MlflowAdapter(RUN_ID, mlflow_timeout=value)
+        with pytest.raises(InvalidArgumentError, match="mlflow_timeout must be a positive number"):
+            Recorder(tmp_path / f"never-{value}", mlflow_run_id=RUN_ID, mlflow_timeout=value)
+        assert not (tmp_path / f"never-{value}").exists()

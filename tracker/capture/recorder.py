@@ -67,6 +67,8 @@ class Recorder:
         mlflow_run_id: register the run's data with this MLflow run at close. Under
             ``torch.distributed`` pass it on rank 0 (the others receive it by broadcast).
         tracking_uri: MLflow tracking URI (default: MLflow's own resolution).
+        mlflow_timeout: seconds each MLflow call of the upload may take (default
+            ``$HOOKLINE_MLFLOW_TIMEOUT``, else 60; see docs/mlflow.md, "Time budget").
         rank, world_size: distributed rank information (stored in file names and attributes);
             default: taken from an initialised ``torch.distributed`` process group. Under
             ``torch.distributed`` the constructor and :meth:`close` are collectives: every rank
@@ -94,6 +96,7 @@ class Recorder:
         compression: str | None = None,
         mlflow_run_id: str | None = None,
         tracking_uri: str | None = None,
+        mlflow_timeout: float | None = None,
         rank: int | None = None,
         world_size: int | None = None,
         meta: dict[str, Any] | None = None,
@@ -130,7 +133,8 @@ class Recorder:
 
             # Validates the id before anything is created; mlflow itself is imported on the
             # adapter's own thread.
-            self._mlflow = MlflowAdapter(mlflow_run_id, tracking_uri=tracking_uri, rank=rank)
+            self._mlflow = MlflowAdapter(mlflow_run_id, tracking_uri=tracking_uri, rank=rank,
+                                         mlflow_timeout=mlflow_timeout)
         if not resume:
             refuse_held_run(self._dist, self.run_dir)
         # The budget covers the blocks being filled (capture/packer.py) and the writer's queue.
