@@ -155,6 +155,7 @@ class OpenPart:
         self.steps: list[int] = []
         self.calls: list[int] = []
         self.fields: dict[str, StagedField] = {}
+        self._lean: dict[tuple, list[tuple[StagedField, np.dtype | None]]] = {}  # see take_rows
 
     def file(self) -> HandleFileWriter:
         """The part's file, open: created, or reopened if parked (within the open-file limit)."""
@@ -221,19 +222,27 @@ class OpenPart:
             elif sf.chunk_full():
                 self.write_out(sf, full_only=True)
 
-    def take_rows(self, fields: list[tuple[str, tuple[np.ndarray, str]]], idx: list[int], steps: list[int],
+    def take_rows(self, sig: tuple, arrs: list[np.ndarray], idx: list[int], steps: list[int],
                   calls: list[int]) -> bool:
         """Stage rows ``idx`` of a block of several handles' records (copied out), when this part
         already holds each of its fields with that shape and dtype (else False, nothing staged:
         the caller goes the general way). The lean path of a shared block's records, one or two
-        per handle: a few microseconds each on the writer thread, which holds the GIL meanwhile."""
-        sfs = []
-        for name, (arr, dn) in fields:
-            sf = self.fields.get(name)
-            if sf is None or sf.spec.ragged or sf.spec.shape != arr.shape[1:] or sf.spec.dtype_name != dn:
+        per handle, run by the writer thread (which holds the GIL meanwhile): the fields' checks
+        are made once per part and layout (:meth:`_lean_fields`), so a record costs a row copy
+        and a few list appends.
+
+        Args:
+            sig: the block's layout, ``((name, dtype name, numpy dtype, record shape), ...)``.
+            arrs: the block's arrays, one per entry of ``sig``.
+            idx: this handle's rows, in block order.
+            steps, calls: the whole block's.
+        """
+        lean = self._lean.get(sig)
+        if lean is None:
+            lean = self._lean_fields(sig)
+            if lean is None:
                 return False
-            sfs.append(sf)
-        first = self.end
+        first = self.start + len(self.steps)
         k = len(idx)
         if k == 1:
             i = idx[0]
@@ -242,20 +251,38 @@ class OpenPart:
         else:
             self.steps.extend([steps[i] for i in idx])
             self.calls.extend([calls[i] for i in idx])
-        for sf, (_, (arr, _)) in zip(sfs, fields):
-            run = arr[idx[0] : idx[0] + 1].copy() if k == 1 else arr[idx]
-            if run.dtype != sf.spec.info.storage:
-                run = run.view(sf.spec.info.storage)
+        for (sf, view), arr in zip(lean, arrs):
+            if k == 1:
+                run = arr[i : i + 1].copy()
+                sf.records.append(first)
+            else:
+                run = arr[idx]
+                sf.records.extend(range(first, first + k))
+            if view is not None:
+                run = run.view(view)
             sf.arrays.append(run)
             sf.staged_items += k
             sf.staged_bytes += run.nbytes
-            sf.records.extend(range(first, first + k))
             if sf.out is None or sf.chunk_items == 1:
                 if sf.batch_due():
                     self.write_out(sf, full_only=True)
             elif sf.chunk_full():
                 self.write_out(sf, full_only=True)
         return True
+
+    def _lean_fields(self, sig: tuple) -> list[tuple[StagedField, np.dtype | None]] | None:
+        """The staged fields a block of layout ``sig`` goes to, each with the dtype its rows are
+        viewed as (None: as they are); None when a field is new, ragged or of another shape or
+        dtype here. Kept per layout: a part's fields are never replaced."""
+        out = []
+        for name, dn, dtype, shape in sig:
+            sf = self.fields.get(name)
+            if sf is None or sf.spec.ragged or sf.spec.shape != shape or sf.spec.dtype_name != dn:
+                return None
+            storage = sf.spec.info.storage
+            out.append((sf, None if storage == dtype else storage))
+        self._lean[sig] = out
+        return out
 
     def _stage_field(self, sf: StagedField, arr: np.ndarray, dn: str, first: int) -> None:
         """Add one field's run of records (numbered from ``first``) to what is staged."""

@@ -194,12 +194,21 @@ class WriterThread:
         per = msg.nbytes // len(msg.rows)
         steps, calls = msg.steps, msg.calls
         items = list(fields.items())
+        arrs = [arr for _, (arr, _) in items]
+        sig = tuple((name, dn, arr.dtype, arr.shape[1:]) for name, (arr, dn) in items)
         for h, idx in groups.items():
             part = h.part
-            if part is not None and part.take_rows(items, idx, steps, calls):
+            if part is not None and part.take_rows(sig, arrs, idx, steps, calls):
                 h.next_record += len(idx)
-                h.note_steps([steps[i] for i in idx])
                 h.written_bytes += per * len(idx)
+                if len(idx) == 1:  # (note_steps, without a list per record)
+                    s = steps[idx[0]]
+                    if h.steps_min is None or s < h.steps_min:
+                        h.steps_min = s
+                    if h.steps_max is None or s > h.steps_max:
+                        h.steps_max = s
+                else:
+                    h.note_steps([steps[i] for i in idx])
                 continue
             sub = {name: (arr[idx], dn) for name, (arr, dn) in items}  # (copies)
             self._stage_one(h, [steps[i] for i in idx], [calls[i] for i in idx], sub, per * len(idx))

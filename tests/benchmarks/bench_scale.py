@@ -1,7 +1,7 @@
 """Scale benchmark (issue 24): per-call capture cost, close time, bytes on disk and peak memory
 against the number of hooked handles, at the default settings (``max_buffer_mb=512``).
 
-Run:  python tests/benchmarks/bench_scale.py [--quick] [--rounds N]
+Run:  python tests/benchmarks/bench_scale.py [--quick] [--rounds N] [--handles N ...]
 
 Each configuration runs in its own process (its peak RSS is its own): ``n`` ``Linear(d, d)``
 modules applied to one ``(16, d)`` input under ``torch.no_grad()``, forward hooks only, so each
@@ -123,10 +123,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="skip the 5,000-handle and 64 KiB configurations")
     ap.add_argument("--rounds", type=int, default=12, help="timed rounds per configuration (default 12)")
+    ap.add_argument("--handles", type=int, nargs="+", metavar="N",
+                    help="only these handle counts of 4 KiB records (8 is always run: the reference)")
     args = ap.parse_args()
     configs = [(8, 64), (100, 64), (128, 64), (1000, 64), (5000, 64), (8, 1024), (128, 1024)]
     if args.quick:
         configs = [c for c in configs if c[0] < 5000 and c[1] == 64]
+    if args.handles:
+        configs = [(n, 64) for n in sorted({8, *args.handles})]
     load = os.getloadavg()[0]
     print(f"hookline scale benchmark: {os.cpu_count()} cores, load average {load:.1f} at start\n")
     res = []

@@ -211,6 +211,51 @@ def test_write_rows_sorts_records_of_many_handles_into_their_files(tmp_path):
         assert list(run["a"].steps) == [0, 1, 2] and run["a"].fields == ["x"]  # y was not registered
 
 
+def test_write_rows_lean_path_keeps_records_order_dtypes_and_steps(tmp_path):
+    """Blocks of several handles' records after each handle's first (the lean path: fields
+    checked once per part and layout): floats, signed ints and bfloat16 given as signed bits
+    (stored unsigned) read back bit-exact in block order
+    with their steps and calls, one or several rows per handle per block; a block of another
+    record shape goes the general way (the field turns ragged) and loses nothing."""
+    d = tmp_path / "r"
+    ids = [f"h{i}" for i in range(5)]
+    rng = np.random.default_rng(0)
+    want: dict[str, list] = {h: [] for h in ids}
+    with RunWriter(d, fsync=False) as w:
+        for h in ids:
+            w.add_handle(h)
+        for s in range(6):
+            rows = ids + ["h1", "h3", "h1"] if s % 2 else ids  # h1 thrice, h3 twice in odd blocks
+            k = len(rows)
+            x = rng.standard_normal((k, 4)).astype(np.float32)
+            n = rng.integers(-2**31, 2**31 - 1, (k, 2), dtype=np.int32)
+            b = rng.integers(-2**15, 2**15 - 1, (k, 3), dtype=np.int16)
+            calls = list(range(k))
+            assert w.write_rows(rows, [s] * k, calls, {"x": x, "n": n, "b": (b, "bfloat16")})
+            for j, h in enumerate(rows):
+                want[h].append((s, calls[j], x[j], n[j], b[j]))
+        x6 = np.full((2, 7), 3.5, np.float32)  # another shape: h0 and h2's x turns ragged
+        zn, zb = np.zeros((2, 2), np.int32), np.zeros((2, 3), np.int16)
+        assert w.write_rows(["h0", "h2"], [6, 6], [0, 0], {"x": x6, "n": zn, "b": (zb, "bfloat16")})
+        want["h0"].append((6, 0, x6[0], zn[0], zb[0]))
+        want["h2"].append((6, 0, x6[1], zn[1], zb[1]))
+    with open_run(d) as run:
+        for h in ids:
+            r = run[h]
+            assert list(r.steps) == [v[0] for v in want[h]], h
+            assert list(r.calls) == [v[1] for v in want[h]], h
+            got_x = r["x"].read()
+            for g, v in zip(got_x, want[h]):
+                np.testing.assert_array_equal(g, v[2])
+            got_n = r["n"].read()
+            assert got_n.dtype == np.int32
+            np.testing.assert_array_equal(got_n, np.stack([v[3] for v in want[h]]))
+            for j, v in enumerate(want[h]):
+                back = r["b"].to_torch(j)
+                assert back.dtype == torch.bfloat16
+                np.testing.assert_array_equal(back.view(torch.int16).numpy(), v[4])
+
+
 #: Handles of the writer-level scale test: 3,000 keeps it near a minute on 2 cores (each handle
 #: costs its file's HDF5 work at close); HOOKLINE_SCALE_HANDLES=10000 checks the documented limit.
 SCALE_HANDLES = int(os.environ.get("HOOKLINE_SCALE_HANDLES", "3000"))
