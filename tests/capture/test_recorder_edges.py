@@ -686,3 +686,14 @@ atexit.register(gc.collect)
     assert manifest["status"] == "closed" and manifest["handles"]["outputs[fc]"]["records"] == 50
     with open_run(tmp_path / "r") as run:
         assert run["outputs[fc]"].steps.tolist() == list(range(50))
+
+
+@pytest.mark.parametrize("bad", [-1, 0, float("inf"), "soon", True])
+def test_a_bad_mlflow_timeout_is_refused_without_mlflow_too(tmp_path, bad):
+    """``mlflow_timeout`` is checked when the Recorder is built, MLflow or not, and nothing is
+    created."""
+    from hookline.storage.errors import InvalidArgumentError
+
+    with pytest.raises(InvalidArgumentError, match="mlflow_timeout must be a positive number"):
+        Recorder(tmp_path / "run", mlflow_timeout=bad)
+    assert not (tmp_path / "run").exists()

@@ -15,6 +15,7 @@ import torch
 from hookline.storage.budget import Budget
 from hookline.storage.errors import HookTypeError, InvalidArgumentError
 from hookline.storage.lifecycle import weak_closer
+from hookline.storage.mlflow.client import budget_seconds
 from hookline.storage.writer import RunWriter, WriterStats
 
 from .bindings import HandleBindings
@@ -127,6 +128,8 @@ class Recorder:
         run_meta = run_metadata(every, steps, meta, mlflow_run_id)
         if grad_scaler is not None:
             run_meta[_INF_KEY] = []  # (the key exists from the start: later updates replace its value)
+        if mlflow_timeout is not None:
+            budget_seconds(mlflow_timeout)  # a bad value fails now, with MLflow or without
         self._mlflow = None
         if mlflow_run_id is not None:
             from hookline.storage import MlflowAdapter
