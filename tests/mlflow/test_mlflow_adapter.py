@@ -715,8 +715,24 @@ def test_failed_mid_run_pass_made_good_by_the_final_one_is_not_an_error(sqlite_t
     assert len(client.get_metric_history(rid, metric_key("grads[blocks.0]", "grad_out.0"))) == 3
 
 
+def _settled_lines(log: Path) -> int:
+    """The access log's line count once it has stopped growing for a second (the server writes
+    a request's line after its answer, later still on a loaded machine)."""
+    last, since = -1, time.monotonic()
+    deadline = since + 30
+    while time.monotonic() < deadline:
+        n = len(log.read_text(errors="replace").splitlines())
+        if n != last:
+            last, since = n, time.monotonic()
+        elif time.monotonic() - since >= 1.0:
+            break
+        time.sleep(0.05)
+    return last
+
+
 def _requests(log: Path, since: int) -> list[str]:
     """The HTTP requests (method and path) in a server's access log after line ``since``."""
+    _settled_lines(log)
     lines = log.read_text(errors="replace").splitlines()[since:]
     return [ln.split('"', 2)[1].split("?", 1)[0].replace(" HTTP/1.1", "") for ln in lines
             if re.search(r'"(GET|POST|PUT) /', ln)]
@@ -735,14 +751,12 @@ def test_a_repeat_sync_reads_the_sync_record_in_one_request_without_a_progress_b
     built = build_run(tmp_path / "run", SPECS, records=3)
     assert sync(built.path, rid, tracking_uri=server.uri).ok
     log = server.root / "server.log"
-    time.sleep(0.3)  # (the access log line is written after the answer)
-    n = len(log.read_text(errors="replace").splitlines())
+    n = _settled_lines(log)
     capfd.readouterr()
     again = sync(built.path, rid, tracking_uri=server.uri)
     err = capfd.readouterr().err
     assert again.ok and again.uploaded == [] and "hookline/manifest.json" in again.skipped, again
     assert "Downloading" not in err and "%|" not in err, err  # (tqdm's bar)
-    time.sleep(0.3)
     got = _requests(log, n)
     record_reads = [r for r in got if "sync.json" in r]
     assert len(record_reads) == 1 and record_reads[0].startswith("GET "), got
@@ -760,11 +774,9 @@ def test_a_final_pass_fetches_its_run_once_and_sends_no_separate_probe(mlflow_se
     rid = MlflowClient(server.uri).create_run("0").info.run_id
     built = build_run(tmp_path / "run", SPECS, records=3)
     log = server.root / "server.log"
-    time.sleep(0.3)
-    n = len(log.read_text(errors="replace").splitlines())
+    n = _settled_lines(log)
     rep = MlflowAdapter(rid, tracking_uri=server.uri).log_run_dir(built.path)
     assert rep.ok and len(rep.uploaded) == len(SPECS) + 1, rep
-    time.sleep(0.3)  # (the access log line is written after the answer)
     got = _requests(log, n)
     assert [r for r in got if r.startswith("GET ")] == ["GET /api/2.0/mlflow/runs/get"], got
     puts = [r for r in got if r.startswith("PUT ")]
