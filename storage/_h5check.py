@@ -50,15 +50,19 @@ def damaged(where: str, what: str) -> FormatError:
 class Structure:
     """What :func:`check_structure` found (all checked): the shape, filters and attributes of every
     dataset, and the attributes of every group, by HDF5 path without the leading ``/`` (the
-    root group is ``""``). Attributes are read here once, strings decoded."""
+    root group is ``""``). Attributes are read here once, strings decoded. Shared by every
+    open of the same file (:func:`checked_structure`): read-only."""
 
-    __slots__ = ("shapes", "dtypes", "filters", "attrs")
+    __slots__ = ("shapes", "dtypes", "filters", "attrs", "memo")
 
     def __init__(self) -> None:
         self.shapes: dict[str, tuple[int, ...]] = {}
         self.dtypes: dict[str, np.dtype] = {}
         self.filters: dict[str, list[str]] = {}
         self.attrs: dict[str, dict[str, Any]] = {}
+        #: What readers derived from it and checked (kept with the structure: a file whose
+        #: structure is reused is not checked again), by the reader's name for it.
+        self.memo: dict[str, Any] = {}
 
 
 def check_structure(f: h5py.File, where: str) -> Structure:

@@ -3,13 +3,13 @@
 Parts are opened read-only without a chunk cache; :class:`FileLRU` bounds how many a reader keeps
 open. The layout is described in docs/format.md; the reader, verify and merges read through here,
 so this is where a file that hookline did not write is refused: :func:`open_part` runs
-:func:`~._h5check.check_structure` first (no data read), :class:`Part` and :class:`PartField`
-check the attributes and index shapes at open, and every index array is checked when loaded.
+:func:`~._h5check.check_structure` first (no data read), :class:`Part` checks the attributes
+and index shapes at open (:mod:`._h5meta`: once per unchanged file and process), and every
+index array is checked when loaded.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import threading
@@ -20,83 +20,14 @@ from typing import Any, Iterator
 
 import h5py
 import numpy as np
+from h5py import h5d, h5f, h5p, h5s
 
-from . import dtypes
-from ._filters import ensure_filters
-from ._h5check import HINT, Structure, attr_str, checked_structure, damaged
-from .errors import FormatError, HooklineError, StorageError
-from .format import FILE_FORMAT, FORMAT_VERSION, INDEX_GROUP, MAX_STEP, check_field_name
+from ._h5check import Structure, checked_structure, damaged
+from ._h5meta import FieldMeta, part_meta
+from .errors import HooklineError, StorageError
+from .format import INDEX_GROUP
 
-__all__ = ["FileLRU", "Part", "PartField", "open_part"]
-
-#: Most dimensions a field's entries may have (torch allows 64).
-_MAX_NDIM = 64
-
-
-def _int_attr(attrs: Any, key: str, where: str, lo: int = 0, hi: int = MAX_STEP) -> int:
-    """Attribute ``key`` as an int in ``[lo, hi]``."""
-    v = attrs[key]
-    if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)) or not lo <= int(v) <= hi:
-        raise damaged(where, f"attribute {key!r} is {v!r:.60}, expected an integer from {lo} to {hi}")
-    return int(v)
-
-
-def _str_attr(attrs: Any, key: str, where: str) -> str:
-    v = attrs[key]
-    if not isinstance(v, (str, bytes)):
-        raise damaged(where, f"attribute {key!r} is {v!r:.60}, expected a string")
-    return attr_str(v)
-
-
-#: Root attributes that are strings when present (docs/format.md section 3.1).
-_STR_ATTRS = ("key", "module_name", "module_type", "category", "hook_fn_name", "hookline_version", "created",
-              "run_uuid", "run_created")
-
-
-def _check_root_attrs(a: dict[str, Any], where: str) -> None:
-    """The registration attributes have their types; ``meta``/``run_meta`` are JSON objects."""
-    for k in _STR_ATTRS:
-        if k in a:
-            _str_attr(a, k, where)
-    for k in ("rank", "world_size"):
-        if k in a:
-            _int_attr(a, k, where, -1, 1 << 31)
-    for k in ("meta", "run_meta"):
-        if k in a:
-            try:
-                obj = json.loads(_str_attr(a, k, where))
-            except (ValueError, RecursionError):
-                obj = None
-            if not isinstance(obj, dict):
-                raise damaged(where, f"attribute {k!r} is {a[k]!r:.60}, expected a JSON object")
-
-
-def _index_ds(st: Structure, name: str, count: int, where: str, cols: int | None = None) -> None:
-    """Check index dataset ``name``: 1-D (2-D with ``cols`` columns) with at least ``count`` rows."""
-    shape = st.shapes.get(name)
-    want = (count,) if cols is None else (count, cols)
-    if shape is None or len(shape) != len(want) or shape[0] < count or shape[1:] != want[1:]:
-        got = "missing" if shape is None else f"of shape {shape}"
-        raise damaged(where, f"index dataset {name!r} is {got}, expected {want}")
-
-
-def _field_names(text: Any, where: str, st: Structure) -> list[str]:
-    """The root attribute ``fields``: a JSON list of distinct field names, each a dataset."""
-    try:
-        names = json.loads(text)
-    except (TypeError, ValueError):
-        names = None
-    if not isinstance(names, list) or not all(isinstance(n, str) for n in names) or len(set(names)) != len(names):
-        raise damaged(where, f"attribute 'fields' is {text!r:.80}, expected a JSON list of distinct field names")
-    for nm in names:
-        try:
-            check_field_name(nm)
-        except HooklineError:
-            raise damaged(where, f"attribute 'fields' lists {nm!r:.80}, which is not a field name") from None
-        if nm not in st.shapes:
-            raise damaged(where, f"field {nm!r} (in attribute 'fields') has no dataset")
-    return names
-
+__all__ = ["FileLRU", "Part", "PartField", "open_part", "open_h5"]
 
 def _ragged_sizes(offs: np.ndarray, shps: np.ndarray, extent: int, where: str, name: str) -> np.ndarray:
     """Elements of every entry of a ragged field, after checking its whole index: shapes are
@@ -132,59 +63,54 @@ def _ragged_sizes(offs: np.ndarray, shps: np.ndarray, extent: int, where: str, n
 class PartField:
     """One field inside one complete file; index arrays load (and are checked) on first use.
 
-    Raises:
-        FormatError: (constructor) the field's attributes or index datasets are inconsistent.
+    Attributes:
+        dtype_name, layout, ndim, count, shape, info: the field's checked attributes
+            (:class:`FieldMeta`).
     """
 
-    def __init__(self, part: Part, name: str, st: Structure) -> None:
+    def __init__(self, part: Part, meta: FieldMeta) -> None:
         self.part = part
-        self.name = name
+        self.name = meta.name
         self._ds: h5py.Dataset | None = None
         self._gen = part.generation
-        w = self._where = str(part.path)
-        at = st.attrs[name]
-        try:
-            self.dtype_name = _str_attr(at, "dtype", w)
-            self.layout = _str_attr(at, "layout", w)
-            self.ndim = _int_attr(at, "ndim", w, 0, _MAX_NDIM)
-            self.count = _int_attr(at, "records", w, 0, part.n)
-            shape_attr = at["shape"] if self.layout == "fixed" else None
-        except KeyError as e:
-            raise FormatError(f"{w!r}: field {name!r} lacks attribute {e} {HINT}") from None
-        info = dtypes.lookup(self.dtype_name)
-        if info is None:
-            raise damaged(w, f"field {name!r} has unknown dtype {self.dtype_name!r:.60}")
-        self.info = info
-        stored = st.dtypes[name]
-        if stored.newbyteorder("=") != info.storage:
-            raise damaged(w, f"field {name!r} ({self.dtype_name}) is stored as {stored}, expected {info.storage}")
-        ensure_filters(st.filters[name])
-        shape = st.shapes[name]
-        idx = f"{INDEX_GROUP}/{name}/"
-        _index_ds(st, idx + "record", self.count, w)
-        if self.layout == "fixed":
-            shp = np.asarray(shape_attr)
-            if shp.shape != (self.ndim,) or (shp.size and shp.dtype.kind not in "iu") or (shp < 0).any():
-                raise damaged(w, f"field {name!r} has attribute shape {shape_attr!r:.60} for ndim {self.ndim}")
-            self.shape: tuple[int, ...] | None = tuple(int(x) for x in shp)
-            if shape[1:] != self.shape or shape[0] < self.count:
-                raise damaged(w, f"field {name!r}: dataset shape {shape} != attributes (shape {self.shape}, "
-                                  f"{self.count} records)")
-        elif self.layout == "ragged":
-            self.shape = None
-            if len(shape) != 1:
-                raise damaged(w, f"field {name!r}: ragged data of shape {shape}, expected 1-D")
-            _index_ds(st, idx + "offset", self.count, w)
-            _index_ds(st, idx + "shape", self.count, w, self.ndim)
-        else:
-            raise damaged(w, f"field {name!r} has unknown layout {self.layout!r:.60}")
-        self._has_norm = idx + "norm" in st.shapes
-        if self._has_norm:
-            _index_ds(st, idx + "norm", self.count, w)
+        self._where = str(part.path)
+        self.dtype_name = meta.dtype_name
+        self.layout = meta.layout
+        self.ndim = meta.ndim
+        self.count = meta.count
+        self.shape = meta.shape
+        self.info = meta.info
+        self._stored = meta.stored
+        self._has_norm = meta.has_norm
+        # One-record reads of a fixed field (of records with elements: h5py returns a scalar
+        # for 0-d records, and an empty selection is its own case) go through _read_record.
+        self._first = bool(self.shape) and all(self.shape)  # type: ignore[arg-type]
+        if self._first:
+            self._mspace = h5s.create_simple(self.shape)
+            self._bname = self.name.encode("utf-8")
+            self._zeros = (0,) * len(self.shape)  # type: ignore[arg-type]
+            self._count = (1, *self.shape)  # type: ignore[misc]
         self._records: np.ndarray | None = None
         self._norms: np.ndarray | None = None
         self._offsets: np.ndarray | None = None
         self._shapes: np.ndarray | None = None
+
+    def _read_record(self, j: int) -> np.ndarray:
+        """Entry ``j`` of a fixed field with records of at least one element, read through
+        HDF5's low-level calls: what ``ds[j]`` does, without building h5py's ``Dataset`` object
+        (its lookup and construction cost several times a small record's read). For the first
+        read of the field from this part; later reads use :attr:`ds` (h5py's compiled reader
+        is the faster once the object exists)."""
+        f = self.part.f
+        dsid = h5d.open(f.id, self._bname)
+        try:
+            fspace = dsid.get_space()
+            fspace.select_hyperslab((j,) + self._zeros, self._count)
+            out = np.empty(self.shape, self._stored)  # type: ignore[arg-type]
+            dsid.read(self._mspace, fspace, out)
+        finally:
+            dsid.close()
+        return out
 
     @property
     def ds(self) -> h5py.Dataset:
@@ -259,6 +185,9 @@ class PartField:
         """Entry ``j`` (0-based within this file) in its stored dtype."""
         if self.shape is not None:
             try:  # (no context manager on the one-record path: it costs as much as a small read)
+                if self._first:
+                    self._first = False  # (the next read builds the Dataset)
+                    return self._read_record(j)
                 return self.ds[j]
             except OSError as e:
                 _raise_damage(e, self._where, f"field {self.name!r}: entry {j}")
@@ -336,43 +265,31 @@ class Part:
     """
 
     def __init__(self, path: Path, f: h5py.File, st: Structure, lru: FileLRU | None = None) -> None:
-        self.path = Path(path)
+        self.path = path if isinstance(path, Path) else Path(path)
         self._f: h5py.File | None = f
         self._lru = lru
         # Reopened by absolute path (the working directory may change) and only if it is still the
         # same file: a live run's writer may merge or replace it after the run was opened.
-        self._abs = Path(os.path.abspath(path))
-        self._ident = _identity(self._abs) if lru is not None else None
+        self._abs = os.path.abspath(path)
+        self._ident = _fd_identity(f) if lru is not None else None
         self._closed = False
         self.generation = 0  # bumped at every reopen (PartField looks its dataset up again)
-        w = str(path)
-        a = st.attrs[""]
-        if a.get("hookline_format") != FILE_FORMAT:
-            raise FormatError(f"{w!r} is not a hookline handle file (root attribute hookline_format is "
-                              f"{a.get('hookline_format')!r:.60}, expected {FILE_FORMAT!r})")
-        try:
-            version = _int_attr(a, "format_version", w, 0, 1 << 31)
-            self.record_start = _int_attr(a, "record_start", w)
-            self.n = _int_attr(a, "records", w, 0, MAX_STEP - self.record_start)
-            self.handle_id = _str_attr(a, "handle_id", w)
-        except KeyError as e:
-            raise FormatError(f"{w!r} is not a hookline handle file (missing attribute {e})") from None
-        if version > FORMAT_VERSION:
-            raise FormatError(
-                f"{w!r} has format_version {version}; this hookline reads <= {FORMAT_VERSION}: upgrade hookline"
-            )
-        _check_root_attrs(a, w)
-        self.attrs = dict(a)  # (the structure may be shared: see checked_structure)
-        self.field_names: list[str] = _field_names(a.get("fields", "[]"), w, st)
-        _index_ds(st, "step", self.n, w)
-        _index_ds(st, "call", self.n, w)
+        meta = part_meta(st, str(path))
+        self._meta = meta
+        self.record_start = meta.record_start
+        self.n = meta.n
+        self.handle_id = meta.handle_id
+        self.field_names: list[str] = meta.field_names
         self._steps: np.ndarray | None = None
         self._calls: np.ndarray | None = None
-        # Every field's attributes and index shapes are checked now (a damaged field is a
-        # damaged file at open, not an error at some later read).
-        self._fields: dict[str, PartField] = {nm: PartField(self, nm, st) for nm in self.field_names}
+        self._fields: dict[str, PartField] = {}  # (made on first use: a read needs one field)
         if lru is not None:
             lru.touch(self)
+
+    @property
+    def attrs(self) -> dict[str, Any]:
+        """The file's root attributes (a copy)."""
+        return dict(self._meta.attrs)
 
     def _index(self, name: str) -> np.ndarray:
         with _reading(str(self.path), f"index {name!r}"):
@@ -396,8 +313,15 @@ class Part:
         return self._calls
 
     def field(self, name: str) -> PartField:
-        """The field ``name`` of this part (one of :attr:`field_names`)."""
-        return self._fields[name]
+        """The field ``name`` of this part (one of :attr:`field_names`).
+
+        Raises:
+            KeyError: not a field of the part.
+        """
+        pf = self._fields.get(name)
+        if pf is None:
+            pf = self._fields[name] = PartField(self, self._meta.fields[name])
+        return pf
 
     @property
     def f(self) -> h5py.File:
@@ -413,7 +337,7 @@ class Part:
             try:
                 same = _identity(self._abs) == self._ident
                 if same:
-                    f = h5py.File(self._abs, "r", rdcc_nbytes=0)
+                    f = open_h5(self._abs)
             except FileNotFoundError as e:
                 raise StorageError(
                     f"{str(self._abs)!r} is gone since the run was opened (the writer of a live run merges "
@@ -448,9 +372,42 @@ class Part:
         self._close_file()
 
 
-def _identity(path: Path) -> tuple[int, int, int, int]:
+_FAPL: h5p.PropFAID | None = None
+
+
+def open_h5(path: str | os.PathLike[str]) -> h5py.File:
+    """``h5py.File(path, "r", rdcc_nbytes=0)``, with its file-access property list built once
+    (h5py builds one per open: a quarter of a small file's open).
+
+    Raises:
+        OSError: HDF5 cannot open it (missing, not HDF5, truncated, unreadable).
+    """
+    global _FAPL
+    fapl = _FAPL
+    if fapl is None:  # (what h5py.File's make_fapl builds for these arguments)
+        fapl = h5p.create(h5p.FILE_ACCESS)
+        fapl.set_libver_bounds(h5f.LIBVER_EARLIEST, h5f.LIBVER_LATEST)
+        fapl.set_alignment(1, 1)
+        cache = list(fapl.get_cache())
+        cache[2] = 0
+        fapl.set_cache(*cache)
+        _FAPL = fapl
+    return h5py.File(h5f.open(os.fsencode(path), h5f.ACC_RDONLY, fapl=fapl))
+
+
+def _identity(path: str | os.PathLike[str]) -> tuple[int, int, int, int]:
     """What tells one file from another at the same path: device, inode, size, mtime."""
     st = os.stat(path)
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def _fd_identity(f: h5py.File) -> tuple[int, int, int, int]:
+    """:func:`_identity` of the file ``f`` has open (its descriptor: the file opened, even if
+    the path names another one by now)."""
+    try:
+        st = os.fstat(f.id.get_vfd_handle())
+    except Exception:  # (a driver without a descriptor)
+        return _identity(f.filename)
     return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
 
 
@@ -464,7 +421,7 @@ def open_part(path: Path, lru: FileLRU | None = None) -> Part:
             :func:`check_structure` or :class:`Part` refuses, or HDF5 fails to read its metadata).
         OSError: HDF5 cannot open it (not HDF5, truncated, unreadable).
     """
-    f = h5py.File(path, "r", rdcc_nbytes=0)
+    f = open_h5(path)
     try:
         return Part(path, f, checked_structure(f, str(path)), lru)
     except BaseException as e:

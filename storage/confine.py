@@ -71,7 +71,7 @@ class RunRoot:
     """
 
     def __init__(self, run_dir: str | os.PathLike[str]) -> None:
-        self.path = Path(run_dir)
+        self.path = run_dir if isinstance(run_dir, Path) else Path(run_dir)
         self.real = os.path.realpath(self.path)
         self._prefix = self.real.rstrip(os.sep) + os.sep
 
@@ -82,12 +82,39 @@ class RunRoot:
         Raises:
             FormatError: the name leads outside the run directory.
         """
+        return Path(self._resolve(rel, what=what)[0])
+
+    def _resolve(self, rel: object, *, what: str) -> tuple[str, os.stat_result | None]:
+        """:meth:`resolve` as a str, with the ``lstat`` of what it names when the name was
+        resolved without meeting a symlink (then it is also its ``stat``), else None."""
         rel = check_relative(rel, what=what, where=str(self.path))
-        real = os.path.realpath(self.path / rel)
+        real, st = self._walk(rel)
+        if real is None:
+            real = os.path.realpath(self.path / rel)
         if not real.startswith(self._prefix):
             raise FormatError(f"{what} {rel!r} of run {str(self.path)!r} leads outside the run directory "
                               f"(through a symbolic link, to {real!r}); {_FIX}")
-        return Path(real)
+        return real, st
+
+    def _walk(self, rel: str) -> tuple[str | None, os.stat_result | None]:
+        """Resolve ``rel`` below the resolved run directory by one ``lstat`` per component
+        (``realpath`` of the whole path costs one per component of the run directory's path
+        too): ``(path, lstat)`` when every component exists and none is a symlink, else
+        ``(None, None)`` (the caller resolves with ``realpath``). ``rel`` has no ``..``
+        (:func:`check_relative`), so joining plain components cannot leave the run."""
+        cur = self.real
+        st = None
+        for part in rel.split("/"):
+            if part in ("", "."):
+                continue
+            cur = cur + os.sep + part if cur != os.sep else os.sep + part
+            try:
+                st = os.lstat(cur)
+            except OSError:
+                return None, None
+            if stat.S_ISLNK(st.st_mode):
+                return None, None
+        return cur, st
 
     def file(self, rel: object, *, what: str) -> Path:
         """The path of a file of the run: inside it after symlinks, a regular file if present.
@@ -104,12 +131,20 @@ class RunRoot:
                 regular file (a FIFO, directory, socket, device).
             StorageError: what is there cannot be examined (permissions, I/O error).
         """
-        real = self.resolve(rel, what=what)
-        path = self.path / rel
+        return self.located(rel, what=what)[0]
+
+    def located(self, rel: object, *, what: str) -> tuple[Path, str]:
+        """:meth:`file`, and the file's resolved path (what to open: it is inside the run).
+
+        Raises:
+            FormatError, StorageError: as :meth:`file`.
+        """
+        real, st = self._resolve(rel, what=what)
+        path = self.path / rel  # type: ignore[operator]
         try:
-            mode = os.stat(real).st_mode
+            mode = st.st_mode if st is not None else os.stat(real).st_mode
         except (FileNotFoundError, NotADirectoryError):
-            return path  # (nothing there: the caller's open says so)
+            return path, real  # (nothing there: the caller's open says so)
         except OSError as e:
             err = StorageError(f"cannot examine {what} {rel!r} of run {str(self.path)!r}: {e}")
             err.errno = e.errno
@@ -117,7 +152,7 @@ class RunRoot:
         if not stat.S_ISREG(mode):
             kind = next((name for test, name in _KINDS if test(mode)), "not a regular file")
             raise FormatError(f"{what} {rel!r} of run {str(self.path)!r} is {kind}, not a regular file; {_FIX}")
-        return path
+        return path, real
 
     def folder(self, rel: object, *, what: str) -> Path:
         """The path of a folder of the run (a key's directory): inside it after symlinks.

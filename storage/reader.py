@@ -21,9 +21,15 @@ so splitting them would pass private names between modules.)
 from __future__ import annotations
 
 import bisect
+import copy
+import json
 import os
+import stat
+import threading
 import warnings
+from collections import OrderedDict
 from functools import cached_property
+from itertools import accumulate
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
@@ -35,7 +41,7 @@ from ._h5read import FileLRU, Part, PartField, open_part
 from ._parts import Discovery, discover_files
 from .confine import RunRoot
 from .errors import FormatError, HookTypeError, InvalidArgumentError, RecordIndexError, StorageError, UnknownNameError
-from .format import MANIFEST_RE, check_manifest, rank_suffix, read_manifest
+from .format import MANIFEST_RE, check_manifest, final_name, manifest_name, rank_suffix, read_manifest
 from .sources import find_source
 from .synthesise import synthesise_manifests
 
@@ -52,6 +58,57 @@ def _names_hint(names: Sequence[str], limit: int = 30) -> str:
     return f"[{shown}{more}]"
 
 
+#: Manifests parsed and checked in this process, by resolved path: the file's bytes and what
+#: they parse to (reused while the bytes are equal: JSON parsing and checking cost more than
+#: reading; least recently used dropped beyond the bound). Shared read-only with every Run.
+_MANIFESTS: OrderedDict[str, tuple[bytes, dict[str, Any]]] = OrderedDict()
+_MANIFESTS_MAX = 64
+_MANIFESTS_LOCK = threading.Lock()
+
+
+def _read_bytes(path: str) -> tuple[bytes, int]:
+    """The whole file at ``path``, and its modification time (ns)."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    try:
+        st = os.fstat(fd)
+        chunks = [os.read(fd, st.st_size + 1)]
+        while chunks[-1]:
+            chunks.append(os.read(fd, 1 << 20))
+        return b"".join(chunks), st.st_mtime_ns
+    finally:
+        os.close(fd)
+
+
+def _shared_manifest(path: Path, real: str) -> tuple[dict[str, Any], int | None]:
+    """The parsed, checked manifest at ``path`` (``real``: its resolved path), shared: never
+    modify it; and when it was written (ns; None when not known).
+
+    Raises:
+        FileNotFoundError: there is no file. FormatError: what :func:`read_manifest` raises.
+    """
+    try:
+        raw, written = _read_bytes(real)
+    except FileNotFoundError:
+        raise
+    except OSError:
+        return read_manifest(path), None  # (raises the error that names the file)
+    with _MANIFESTS_LOCK:
+        hit = _MANIFESTS.get(real)
+        if hit is not None and hit[0] == raw:
+            _MANIFESTS.move_to_end(real)
+            return hit[1], written
+    try:
+        obj = json.loads(raw)
+    except (ValueError, RecursionError):
+        return read_manifest(path), None  # (raises the error that names the file)
+    check_manifest(obj, str(path))
+    with _MANIFESTS_LOCK:
+        _MANIFESTS[real] = (raw, obj)
+        while len(_MANIFESTS) > _MANIFESTS_MAX:
+            _MANIFESTS.popitem(last=False)
+    return obj, written
+
+
 class LocalSource:
     """A run directory on the local file system.
 
@@ -64,23 +121,76 @@ class LocalSource:
         self._confined = RunRoot(self.root)  # (resolved once: every path of the run is checked against it)
         #: ids of the manifests :meth:`manifests` returned already checked (read_manifest checks them)
         self.checked: set[int] = set()
+        #: when each manifest :meth:`shared_manifests` returned was written (ns), by id
+        self._written: dict[int, int | None] = {}
 
     def manifests(self) -> list[dict[str, Any]]:
         """Parsed manifests (``manifest.json`` / ``manifest.rank<r>.json``); synthesised from the
-        files' attributes when there is none.
+        files' attributes when there is none. The caller owns them.
 
         Raises:
             FormatError: no manifest and no hookline file: not a run directory (perhaps a folder
                 of runs, which the message names).
         """
-        found = sorted(p.name for p in self.root.iterdir() if MANIFEST_RE.fullmatch(p.name))
+        found = sorted(nm for nm in os.listdir(self.root) if MANIFEST_RE.fullmatch(nm))
         if found:
             out = [read_manifest(self._confined.file(n, what="manifest")) for n in found]
             self.checked = {id(m) for m in out}  # (read_manifest checked them: Run need not again)
             return out
+        return self._synthesised()
+
+    def shared_manifests(self) -> list[dict[str, Any]]:
+        """The manifests as :meth:`manifests` finds them, checked, shared with every reader of
+        the same bytes in this process (never modify them). A single-process run's
+        ``manifest.json`` (``world_size`` null or 1) is its only manifest: the directory is
+        listed only for a distributed run's ``manifest.rank<r>.json``.
+
+        Raises:
+            FormatError: as :meth:`manifests`.
+        """
+        self._written.clear()
+        try:
+            m, written = _shared_manifest(*self._confined.located(manifest_name(None, None), what="manifest"))
+        except FileNotFoundError:
+            m = None
+        if m is not None and (m.get("world_size") or 1) <= 1:
+            self._written[id(m)] = written
+            return [m]
+        found = sorted(nm for nm in os.listdir(self.root) if MANIFEST_RE.fullmatch(nm))
+        if not found:
+            return self._synthesised()
+        out = []
+        for n in found:
+            path, real = self._confined.located(n, what="manifest")
+            try:
+                m, written = _shared_manifest(path, real)
+            except FileNotFoundError:
+                m, written = read_manifest(path), None  # (gone since listed: raises the error naming it)
+            self._written[id(m)] = written
+            out.append(m)
+        return out
+
+    def settled(self, manifest: dict[str, Any], rel: str) -> bool:
+        """Whether nothing in the folder of file ``rel`` was added, renamed or removed at or after
+        the time ``manifest`` (one :meth:`shared_manifests` returned) was written: then a closed
+        run's manifest names all the handle's files. A continued run's writer creates its
+        segments there, and the manifest that lists them comes later (or never: killed), so a
+        folder changed since is listed. One ``stat``."""
+        written = self._written.get(id(manifest))
+        if written is None:
+            return False
+        folder = rel.rpartition("/")[0]
+        try:
+            changed = os.stat(os.path.join(self._confined.real, folder) if folder else self._confined.real).st_mtime_ns
+        except OSError:
+            return False
+        return changed < written
+
+    def _synthesised(self) -> list[dict[str, Any]]:
         manifests = synthesise_manifests(self.root)
         if not manifests:
             raise _not_a_run(self.root)
+        self.checked = set()
         return manifests
 
     def path(self, rel: str) -> Path:
@@ -133,14 +243,17 @@ class LazyPart:
         rel: the part's name relative to the run directory.
         rank: the rank it belongs to (None when not distributed).
         lru: the run's open-file bound.
+        records: how many records the manifest says the file holds (None: not known).
         part: the opened :class:`Part`, or None before the first :meth:`open`.
     """
 
-    def __init__(self, source: Any, rel: str, rank: int | None, lru: FileLRU | None = None):
+    def __init__(self, source: Any, rel: str, rank: int | None, lru: FileLRU | None = None,
+                 records: int | None = None):
         self.source = source
         self.rel = rel
         self.rank = rank
         self.lru = lru
+        self.records = records
         self.part: Part | None = None
 
     def open(self, handle_id: str) -> Part:
@@ -163,13 +276,20 @@ class LazyPart:
         return self.part
 
 
+def _merged(m: dict[str, Any], e: dict[str, Any]) -> bool:
+    """Whether manifest ``m`` says all of handle entry ``e``'s records are in its final file: the
+    run closed, no segment left unmerged, the file named as the key gives it."""
+    return (m.get("status") == "closed" and e.get("segments") == 0 and isinstance(e.get("records"), int)
+            and e.get("file") == final_name(e["key"], rank_suffix(m.get("rank"), m.get("world_size"))))
+
+
 class Run:
     """A recorded run: handles by id. Use as a context manager (or call :meth:`close`).
 
     Attributes:
         path: where the run was opened from.
-        manifests: the parsed manifests, one per rank.
-        meta: run metadata (of the lowest rank).
+        manifests: the parsed manifests, one per rank (a copy, made on first use).
+        meta: run metadata (of the lowest rank; a copy).
         status: ``"open"``, ``"closed"``, ``"failed"`` (lowest rank's manifest).
         ranks: ranks present (``[None]`` when not distributed).
         files: the :class:`FileLRU` bounding the files open at once (``max_open_files``).
@@ -179,37 +299,54 @@ class Run:
         capacity = check_max_open_files(max_open_files, 4, 256)
         self.source = source
         self.path = where
-        self.manifests = list(source.manifests())
-        checked = getattr(source, "checked", ())
-        for i, m in enumerate(self.manifests):
-            if id(m) not in checked:
-                check_manifest(m, f"{where} manifest #{i}")
-        self.manifests.sort(key=lambda m: -1 if m.get("rank") is None else m["rank"])
-        first = self.manifests[0] if self.manifests else {}
-        self.meta: dict[str, Any] = dict(first.get("meta") or {})
+        shared = getattr(source, "shared_manifests", None)
+        if shared is not None:  # (checked, and shared with other readers: read-only here)
+            manifests = shared()
+        else:
+            manifests = list(source.manifests())
+            checked = getattr(source, "checked", ())
+            for i, m in enumerate(manifests):
+                if id(m) not in checked:
+                    check_manifest(m, f"{where} manifest #{i}")
+        #: The manifests, lowest rank first (read-only: :attr:`manifests` gives copies).
+        self._manifests: list[dict[str, Any]] = sorted(
+            manifests, key=lambda m: -1 if m.get("rank") is None else m["rank"])
+        first = self._manifests[0] if self._manifests else {}
         self.status: str = first.get("status", "unknown")
-        self.ranks: list[int | None] = [m.get("rank") for m in self.manifests]
-        self._entries: dict[str, list[tuple[dict, dict]]] = {}
-        for m in self.manifests:
-            for hid, entry in m["handles"].items():
-                self._entries.setdefault(hid, []).append((m, entry))
+        self.ranks: list[int | None] = [m.get("rank") for m in self._manifests]
         self._cache: dict[tuple[str, int | None], Handle] = {}
         #: Files open at once (least recently used closed first, reopened when read again).
         self.files = FileLRU(capacity)
 
+    @cached_property
+    def manifests(self) -> list[dict[str, Any]]:
+        """The parsed manifests, one per rank, lowest rank first (this run's own copy)."""
+        return copy.deepcopy(self._manifests)
+
+    @cached_property
+    def meta(self) -> dict[str, Any]:
+        """Run metadata (of the lowest rank)."""
+        return copy.deepcopy(dict(self._manifests[0].get("meta") or {})) if self._manifests else {}
+
+    def _entries(self, handle_id: str) -> list[tuple[dict, dict]]:
+        """``(manifest, entry)`` of every rank that has ``handle_id`` (none: unknown)."""
+        return [(m, m["handles"][handle_id]) for m in self._manifests if handle_id in m["handles"]]
+
     @property
     def handles(self) -> list[str]:
         """Handle ids, in the order they were added."""
-        return list(self._entries)
+        if len(self._manifests) == 1:
+            return list(self._manifests[0]["handles"])
+        return list(dict.fromkeys(h for m in self._manifests for h in m["handles"]))
 
     def __contains__(self, handle_id: object) -> bool:
-        return handle_id in self._entries
+        return any(handle_id in m["handles"] for m in self._manifests)
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self._entries)
+        return iter(self.handles)
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(self.handles)
 
     def __getitem__(self, handle_id: str) -> Handle:
         return self.handle(handle_id)
@@ -220,19 +357,20 @@ class Run:
         Raises:
             UnknownNameError: unknown id (the message lists the available ones).
         """
-        entries = self._entries.get(handle_id)
-        if entries is None:
+        key = (handle_id, rank)
+        h = self._cache.get(key)
+        if h is not None:
+            return h
+        entries = self._entries(handle_id)
+        if not entries:
             raise UnknownNameError(f"unknown handle {handle_id!r} in run {self.path!r}; available: "
                                    f"{_names_hint(self.handles)}")
         if rank is not None:
+            ranks = [m.get("rank") for m, _ in entries]
             entries = [(m, e) for m, e in entries if m.get("rank") == rank]
             if not entries:
-                raise UnknownNameError(f"handle {handle_id!r} has no data of rank {rank!r}; ranks: "
-                                       f"{[m.get('rank') for m, _ in self._entries[handle_id]]}")
-        key = (handle_id, rank)
-        h = self._cache.get(key)
-        if h is None:
-            h = self._cache[key] = Handle(self, handle_id, entries)
+                raise UnknownNameError(f"handle {handle_id!r} has no data of rank {rank!r}; ranks: {ranks}")
+        h = self._cache[key] = Handle(self, handle_id, entries)
         return h
 
     def close(self) -> None:
@@ -248,7 +386,7 @@ class Run:
         self.close()
 
     def __repr__(self) -> str:
-        return f"Run({self.path!r}, handles={len(self._entries)}, status={self.status!r})"
+        return f"Run({self.path!r}, handles={len(self)}, status={self.status!r})"
 
 
 class Handle:
@@ -265,31 +403,48 @@ class Handle:
     def __init__(self, run: Run, handle_id: str, entries: list[tuple[dict, dict]]):
         self.run = run
         self.id = handle_id
-        m0, e0 = entries[0]
-        self.manifest: dict[str, Any] = e0
+        e0 = entries[0][1]
         self.key: str = e0.get("key", "")
         self.module_name: str = e0.get("module_name", "")
         self.module_type: str = e0.get("module_type", "")
         self.category: str = e0.get("category", "")
         self.hook_fn_name: str = e0.get("hook_fn_name", "")
-        self.meta: dict[str, Any] = dict(e0.get("meta") or {})
         self._problems: list[str] = []
-        self._entries = entries
+        self._entries = entries  # (the run's shared manifests: read-only)
         self._discover()
         self._loaded = False
         self._fields: dict[str, Field] = {}
 
-    def _discover(self) -> None:
-        """List the handle's parts (final file, or sealed segments of a live or killed run)."""
+    @cached_property
+    def manifest(self) -> dict[str, Any]:
+        """The handle's manifest entry (lowest rank; this handle's own copy)."""
+        return copy.deepcopy(self._entries[0][1])
+
+    @cached_property
+    def meta(self) -> dict[str, Any]:
+        """Per-handle metadata (a copy)."""
+        return copy.deepcopy(dict(self._entries[0][1].get("meta") or {}))
+
+    def _discover(self, quick: bool = True) -> None:
+        """List the handle's parts (final file, or sealed segments of a live or killed run).
+
+        A closed run whose manifest says every segment of the handle was merged (``quick``): its
+        final file, named by the manifest, without listing the directory; :meth:`_load` lists
+        after all when the file is not what the manifest says."""
         self.gaps: list[tuple[int | None, int, int]] = []
         self._listed: list[LazyPart] = []
         self._broken: list[tuple[str, str]] = []  # (file, why): complete files that did not open
         self._refused: list[str] = []  # a key leading outside the run: nothing of it is read
         run = self.run
         src = run.source
+        settled = getattr(src, "settled", None)
+        self._quick = (quick and settled is not None and hasattr(src, "discover")
+                       and all(_merged(m, e) and settled(m, e["file"]) for m, e in self._entries))
         for m, e in self._entries:
             rank = m.get("rank")
-            if hasattr(src, "discover"):
+            if self._quick:  # (the file name is confined when it opens: source.path)
+                self._listed.append(LazyPart(src, e["file"], rank, run.files, e["records"]))
+            elif hasattr(src, "discover"):
                 try:
                     d = src.discover(e.get("key"), rank_suffix(rank, m.get("world_size")))
                 except FormatError as err:  # a key leading outside the run: nothing of it is read
@@ -308,6 +463,12 @@ class Handle:
         if self._loaded:
             return
         parts, lazy, errors = self._open_parts()
+        if self._quick and (errors or any(p.record_start != 0 or p.n != lp.records for p, lp in zip(parts, lazy))):
+            # Not the files the closed run's manifest names (missing, damaged, replaced, or more
+            # files added): list the directory as for a live run, and report what it holds.
+            self._close()
+            self._discover(quick=False)
+            parts, lazy, errors = self._open_parts()
         if any(isinstance(e.__cause__, FileNotFoundError) for e in errors):
             # A live run's writer merged or sealed files since the handle listed them (close()
             # merges segments into the final file): list again, once; not damage.
@@ -365,8 +526,9 @@ class Handle:
     def _index(self, parts: list[Part]) -> None:
         """Record offsets and field names (in order of first appearance) of the opened parts."""
         self._parts = parts
-        self._base = np.cumsum([0] + [p.n for p in parts])[:-1].astype(np.int64)
-        self._n = int(sum(p.n for p in parts))
+        ends = list(accumulate(p.n for p in parts))
+        self._base = np.array([0, *ends[:-1]], np.int64)[: len(parts)]
+        self._n = ends[-1] if ends else 0
         names: list[str] = []
         for p in parts:
             for nm in p.field_names:
@@ -474,10 +636,10 @@ class Field:
         self._info = dtypes.info(self.dtype_name)
         shapes = {pf.shape for _, pf in segs}
         self._shape = shapes.pop() if len(shapes) == 1 else None
-        self._cum = np.cumsum([0] + [pf.count for _, pf in segs]).astype(np.int64)
         # (plain ints for the one-record path: numpy scalars and searchsorted cost microseconds
         # per record, as much as HDF5's own read of a small record)
-        self._bounds: list[int] = self._cum.tolist()
+        self._bounds: list[int] = [0, *accumulate(pf.count for _, pf in segs)]
+        self._cum = np.array(self._bounds, np.int64)
         self._n = self._bounds[-1]
 
     # --- metadata -------------------------------------------------------------------------------------
@@ -637,6 +799,16 @@ class Field:
                 f"shape={self._shape})")
 
 
+def _kind(path: str | Path) -> str | None:
+    """``"dir"``, ``"file"`` or another word for what ``path`` names (after symlinks); None when
+    nothing is there (one ``stat``)."""
+    try:
+        mode = os.stat(path).st_mode
+    except (OSError, ValueError):
+        return None
+    return "dir" if stat.S_ISDIR(mode) else "file" if stat.S_ISREG(mode) else "other"
+
+
 def open_run(path_or_uri: str | os.PathLike[str], *, tracking_uri: str | None = None,
              cache_dir: str | os.PathLike[str] | None = None, max_open_files: int | None = None) -> Run:
     """Open a recorded run for reading.
@@ -673,9 +845,11 @@ def open_run(path_or_uri: str | os.PathLike[str], *, tracking_uri: str | None = 
     if remote is not None:
         return Run(remote(s, tracking_uri=tracking_uri, cache_dir=cache_dir), s, max_open_files)
     p = Path(s)
-    if p.is_file() and MANIFEST_RE.fullmatch(p.name):
+    kind = _kind(s)
+    if kind == "file" and MANIFEST_RE.fullmatch(p.name):
         p = p.parent
-    if not p.is_dir():
+        kind = _kind(p)
+    if kind != "dir":
         raise StorageError(f"no run directory {s!r}: give the directory a RunWriter/Recorder wrote "
                            f"(or runs:/<mlflow run id>)")
     return Run(LocalSource(p), s, max_open_files)  # (no manifest and no hookline file: FormatError)
