@@ -1,7 +1,8 @@
 """Registry of the run sources that open_run() reads besides local directories.
 
 A source is an object with ``manifests() -> list[dict]`` and ``path(rel) -> Path`` (optionally
-``size(rel)`` and ``discover(key, suffix)``; see ``reader.LocalSource``). Remote stores register a
+``size(rel)``, ``discover(key, suffix)``, ``shared_manifests()`` and ``settled(manifest, rel)``;
+see ``local.LocalSource``). Remote stores register a
 *match* test and a *factory* here, so the reader opens them without importing them: the factory
 is named as ``"module:function"`` and imported on first use. ``hookline.storage`` registers the
 MLflow source (``runs:/...``) at import time.
