@@ -232,11 +232,15 @@ class FileLRU:
         self._open: OrderedDict[int, Part] = OrderedDict()
         self._lock = threading.Lock()
         self.reopened = 0  # statistics (tests)
+        self._last: Part | None = None  # the part touched last (it is at the end of _open)
 
     def touch(self, part: Part) -> None:
         """Mark ``part`` used now (its file is open); close the least recently used beyond capacity."""
+        if self._last is part:  # (the usual case, read again: no lock; only set under it)
+            return
         key = id(part)
         with self._lock:
+            self._last = part
             if key in self._open:
                 self._open.move_to_end(key)
                 return
@@ -249,6 +253,8 @@ class FileLRU:
         """Stop tracking ``part`` (it is being closed)."""
         with self._lock:
             self._open.pop(id(part), None)
+            if self._last is part:
+                self._last = None
 
 
 class Part:

@@ -521,7 +521,7 @@ class Field:
 
     # --- reading --------------------------------------------------------------------------------------
     def _locate(self, i: int) -> tuple[int, int]:
-        n = len(self)
+        n = self._n
         ii = int(i)
         if ii < 0:
             ii += n
@@ -540,10 +540,10 @@ class Field:
 
     def __getitem__(self, index: int | slice) -> np.ndarray | list[np.ndarray]:
         """``field[i]`` one record; ``field[a:b]`` records stacked on a new axis 0 (list if ragged)."""
+        if isinstance(index, (int, np.integer)):  # (first: the one-record read is the hot path)
+            return dtypes.decode(self._stored(index), self.dtype_name)
         if isinstance(index, slice):
             return self._read_range(*index.indices(len(self)))
-        if isinstance(index, (int, np.integer)):
-            return dtypes.decode(self._stored(index), self.dtype_name)
         raise InvalidArgumentError(f"field index must be an int or a slice, got {index!r}")
 
     def __iter__(self) -> Iterator[np.ndarray]:
