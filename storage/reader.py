@@ -151,21 +151,27 @@ class Run:
         """``(manifest, entry)`` of every rank that has ``handle_id`` (none: unknown)."""
         return [(m, m["handles"][handle_id]) for m in self._manifests if handle_id in m["handles"]]
 
-    @property
-    def handles(self) -> list[str]:
-        """Handle ids, in the order they were added."""
+    @cached_property
+    def _ids(self) -> list[str]:
+        """Handle ids of all ranks, in the order they were added (made on first use: opening a
+        run and reading one handle does nothing per handle)."""
         if len(self._manifests) == 1:
             return list(self._manifests[0]["handles"])
         return list(dict.fromkeys(h for m in self._manifests for h in m["handles"]))
+
+    @property
+    def handles(self) -> list[str]:
+        """Handle ids, in the order they were added."""
+        return list(self._ids)
 
     def __contains__(self, handle_id: object) -> bool:
         return any(handle_id in m["handles"] for m in self._manifests)
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self.handles)
+        return iter(self._ids)
 
     def __len__(self) -> int:
-        return len(self.handles)
+        return len(self._ids)
 
     def __getitem__(self, handle_id: str) -> Handle:
         return self.handle(handle_id)

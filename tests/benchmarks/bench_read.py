@@ -16,6 +16,9 @@ For each record size (8 MiB, 256 KiB, 4 KiB float32; a closed run written by ``R
 * **first open in a process**: the same, timed inside a fresh process per try (hookline walks a
   file's structure once per process; the rows above reuse that walk after their first round).
 * **one record, file open**: ``field[i]`` of an open run against ``ds[i]`` of an open h5py dataset.
+* **warm stages** (4 KiB): what each step of a warm open + one record costs, hookline
+  (``open_run``, ``run[h]``, ``h[f]``, ``f[i]``, ``close``) and h5py (``File``, ``f[name]``,
+  ``ds[i]``, ``close``).
 
 Target (issue 25): hookline <= 1.5x plain h5py, warm and cold. Each ratio is the median over
 rounds of the per-round ratio (random record, both variants read the same record, order
@@ -172,6 +175,45 @@ def bench_first_open(run: Path, n: int, children: int) -> tuple[float, float]:
     return float(np.median(got["hookline"])), float(np.median(got["h5py"]))
 
 
+def bench_stages(run: Path, n: int, rounds: int) -> dict[str, float]:
+    """Median microseconds of each stage of a warm open + one record, hookline and h5py
+    alternating (after a first round: imports, the structure walk)."""
+    path = run / "outputs" / "layer.h5"
+    got: dict[str, list[float]] = {}
+
+    def note(names: tuple[str, ...], stamps: list[float]) -> None:
+        for name, a, b in zip(names, stamps, stamps[1:]):
+            got.setdefault(name, []).append((b - a) * 1e6)
+        got.setdefault(names[0].split(" ")[0] + " total", []).append((stamps[-1] - stamps[0]) * 1e6)
+
+    for k in range(rounds + 1):
+        i = k % n
+        t = [time.perf_counter()]
+        r = open_run(run)
+        t.append(time.perf_counter())
+        h = r[HID]
+        t.append(time.perf_counter())
+        f = h[FIELD]
+        t.append(time.perf_counter())
+        f[i]
+        t.append(time.perf_counter())
+        r.close()
+        t.append(time.perf_counter())
+        u = [time.perf_counter()]
+        hf = h5py.File(path, "r")
+        u.append(time.perf_counter())
+        ds = hf[FIELD]
+        u.append(time.perf_counter())
+        ds[i]
+        u.append(time.perf_counter())
+        hf.close()
+        u.append(time.perf_counter())
+        if k:
+            note(("hookline open_run", "hookline run[h]", "hookline h[f]", "hookline f[i]", "hookline close"), t)
+            note(("h5py File", "h5py f[name]", "h5py ds[i]", "h5py close"), u)
+    return {k: float(np.median(v)) for k, v in got.items()}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=40)
@@ -196,6 +238,9 @@ def main() -> None:
                   f"| file open: {r['h_open']:.3f} / {r['p_open']:.3f} ms, RATIO {r['open']:.2f}x")
             print(f"  {'':8s} first open in a fresh process (warm page cache): hookline {fh * 1e3:.3f} ms, "
                   f"h5py {fp * 1e3:.3f} ms, RATIO {fh / fp:.2f}x")
+            if label == "4 KiB":
+                st = bench_stages(run, n, 300)
+                print(f"  {'':8s} warm stages (us, medians of 300): " + ", ".join(f"{k} {v:.0f}" for k, v in st.items()))
             shutil.rmtree(run)
     finally:
         shutil.rmtree(d, ignore_errors=True)
