@@ -65,7 +65,7 @@ class Structure:
         self.memo: dict[str, Any] = {}
 
 
-def check_structure(f: h5py.File, where: str) -> Structure:
+def check_structure(f: h5py.File | h5py.h5f.FileID, where: str) -> Structure:
     """Refuse a file holding anything a hookline part never holds that could make a read leave
     the file or allocate without bound. Walks every link and object once with HDF5's low-level
     calls and reads every attribute (no dataset data).
@@ -84,7 +84,7 @@ def check_structure(f: h5py.File, where: str) -> Structure:
     Raises:
         FormatError: what was refused, naming the file and the object.
     """
-    fid = f.id
+    fid = f.id if isinstance(f, h5py.File) else f
     size = int(fid.get_filesize())
     links: list[tuple[bytes, int]] = []
     fid.links.visit(lambda name, info: links.append((name, info.type)), info=True)
@@ -127,7 +127,7 @@ def _cached(ident: tuple[int, ...] | None) -> Structure | None:
         return st
 
 
-def checked_structure(f: h5py.File, where: str) -> Structure:
+def checked_structure(f: h5py.File | h5py.h5f.FileID, where: str) -> Structure:
     """:func:`check_structure` of ``f``, once per file per process: a file whose identity
     (device, inode, size, modification and change time, taken from the open descriptor) is
     unchanged since it passed the walk is the same file, so the walk's result is reused (the walk
@@ -138,7 +138,8 @@ def checked_structure(f: h5py.File, where: str) -> Structure:
         FormatError: what :func:`check_structure` refused.
     """
     try:
-        ident: tuple[int, ...] | None = _identity(os.fstat(f.id.get_vfd_handle()))
+        fid = f.id if isinstance(f, h5py.File) else f
+        ident: tuple[int, ...] | None = _identity(os.fstat(fid.get_vfd_handle()))
     except Exception:  # (a driver without a descriptor: no reuse)
         ident = None
     st = _cached(ident)

@@ -27,7 +27,7 @@ from ._h5meta import FieldMeta, part_meta
 from .errors import HooklineError, StorageError
 from .format import INDEX_GROUP
 
-__all__ = ["FileLRU", "Part", "PartField", "open_part", "open_h5"]
+__all__ = ["FileLRU", "Part", "PartField", "open_part", "open_file_id"]
 
 def _ragged_sizes(offs: np.ndarray, shps: np.ndarray, extent: int, where: str, name: str) -> np.ndarray:
     """Elements of every entry of a ragged field, after checking its whole index: shapes are
@@ -101,8 +101,7 @@ class PartField:
         (its lookup and construction cost several times a small record's read). For the first
         read of the field from this part; later reads use :attr:`ds` (h5py's compiled reader
         is the faster once the object exists)."""
-        f = self.part.f
-        dsid = h5d.open(f.id, self._bname)
+        dsid = h5d.open(self.part.fid, self._bname)
         try:
             fspace = dsid.get_space()
             fspace.select_hyperslab((j,) + self._zeros, self._count)
@@ -270,14 +269,15 @@ class Part:
             attributes and index datasets that do not fit together.
     """
 
-    def __init__(self, path: Path, f: h5py.File, st: Structure, lru: FileLRU | None = None) -> None:
+    def __init__(self, path: Path, fid: h5f.FileID, st: Structure, lru: FileLRU | None = None) -> None:
         self.path = path if isinstance(path, Path) else Path(path)
-        self._f: h5py.File | None = f
+        self._fid: h5f.FileID | None = fid
+        self._f: h5py.File | None = None  # (h5py's File object, made when a read needs it)
         self._lru = lru
         # Reopened by absolute path (the working directory may change) and only if it is still the
         # same file: a live run's writer may merge or replace it after the run was opened.
         self._abs = os.path.abspath(path)
-        self._ident = _fd_identity(f) if lru is not None else None
+        self._ident = _fd_identity(fid, self._abs) if lru is not None else None
         self._closed = False
         self.generation = 0  # bumped at every reopen (PartField looks its dataset up again)
         meta = part_meta(st, str(path))
@@ -330,20 +330,21 @@ class Part:
         return pf
 
     @property
-    def f(self) -> h5py.File:
-        """The open file (reopened if its LRU closed it).
+    def fid(self) -> h5f.FileID:
+        """The open file's low-level id (reopened if its LRU closed it).
 
         Raises:
-            StorageError: the part was closed (its run was closed).
+            StorageError: the part was closed (its run was closed), or its file is gone or
+                changed since (it is not reopened then).
         """
-        f = self._f
-        if f is None:
+        fid = self._fid
+        if fid is None:
             if self._closed:
                 raise StorageError(f"{str(self.path)!r} was closed with its run; open the run again (open_run)")
             try:
                 same = _identity(self._abs) == self._ident
                 if same:
-                    f = open_h5(self._abs)
+                    fid = open_file_id(self._abs)
             except FileNotFoundError as e:
                 raise StorageError(
                     f"{str(self._abs)!r} is gone since the run was opened (the writer of a live run merges "
@@ -354,21 +355,34 @@ class Part:
                 raise StorageError(
                     f"{str(self._abs)!r} changed since the run was opened (the writer of a live or "
                     f"continued run merged or rewrote it); open the run again (open_run)")
-            self._f = f
+            self._fid = fid
             self.generation += 1
             if self._lru is not None:
                 self._lru.reopened += 1
         if self._lru is not None:
             self._lru.touch(self)
+        return fid
+
+    @property
+    def f(self) -> h5py.File:
+        """The open file as h5py's ``File`` (reopened if its LRU closed it).
+
+        Raises:
+            StorageError: as :attr:`fid`.
+        """
+        fid = self.fid
+        f = self._f
+        if f is None:
+            f = self._f = h5py.File(fid)
         return f
 
     def _close_file(self) -> None:
-        f, self._f = self._f, None
-        if f is not None:
-            try:
-                f.close()
-            except Exception:
-                pass
+        f, fid = self._f, self._fid
+        self._f = self._fid = None
+        try:
+            _close_id(fid, f)
+        except Exception:
+            pass
 
     def close(self) -> None:
         """Close the file for good (a later use raises :class:`StorageError`)."""
@@ -381,9 +395,11 @@ class Part:
 _FAPL: h5p.PropFAID | None = None
 
 
-def open_h5(path: str | os.PathLike[str]) -> h5py.File:
-    """``h5py.File(path, "r", rdcc_nbytes=0)``, with its file-access property list built once
-    (h5py builds one per open: a quarter of a small file's open).
+def open_file_id(path: str | os.PathLike[str]) -> h5f.FileID:
+    """The low-level id of the file at ``path`` opened as ``h5py.File(path, "r",
+    rdcc_nbytes=0)`` opens it, with its file-access property list built once (h5py builds one
+    per open: a quarter of a small file's open) and no ``File`` object (:attr:`Part.f` makes it
+    when a read needs it; a one-record read does not).
 
     Raises:
         OSError: HDF5 cannot open it (missing, not HDF5, truncated, unreadable).
@@ -398,7 +414,18 @@ def open_h5(path: str | os.PathLike[str]) -> h5py.File:
         cache[2] = 0
         fapl.set_cache(*cache)
         _FAPL = fapl
-    return h5py.File(h5f.open(os.fsencode(path), h5f.ACC_RDONLY, fapl=fapl))
+    return h5f.open(os.fsencode(path), h5f.ACC_RDONLY, fapl=fapl)
+
+
+def _close_id(fid: h5f.FileID | None, f: h5py.File | None = None) -> None:
+    """Close a file opened by :func:`open_file_id`: through h5py's ``File`` (which closes every
+    object still open in it first) when one was made or objects are open, else the id alone."""
+    if f is None and fid is not None and fid.valid and h5f.get_obj_count(fid, h5f.OBJ_ALL) > 1:
+        f = h5py.File(fid)  # (objects still open: closed with the file, as h5py does)
+    if f is not None:
+        f.close()
+    elif fid is not None and fid.valid:
+        fid.close()
 
 
 def _identity(path: str | os.PathLike[str]) -> tuple[int, int, int, int]:
@@ -407,13 +434,13 @@ def _identity(path: str | os.PathLike[str]) -> tuple[int, int, int, int]:
     return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
 
 
-def _fd_identity(f: h5py.File) -> tuple[int, int, int, int]:
-    """:func:`_identity` of the file ``f`` has open (its descriptor: the file opened, even if
-    the path names another one by now)."""
+def _fd_identity(fid: h5f.FileID, path: str) -> tuple[int, int, int, int]:
+    """:func:`_identity` of the file ``fid`` has open (its descriptor: the file opened, even if
+    ``path`` names another one by now)."""
     try:
-        st = os.fstat(f.id.get_vfd_handle())
+        st = os.fstat(fid.get_vfd_handle())
     except Exception:  # (a driver without a descriptor)
-        return _identity(f.filename)
+        return _identity(path)
     return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
 
 
@@ -427,11 +454,11 @@ def open_part(path: Path, lru: FileLRU | None = None) -> Part:
             :func:`check_structure` or :class:`Part` refuses, or HDF5 fails to read its metadata).
         OSError: HDF5 cannot open it (not HDF5, truncated, unreadable).
     """
-    f = open_h5(path)
+    fid = open_file_id(path)
     try:
-        return Part(path, f, checked_structure(f, str(path)), lru)
+        return Part(path, fid, checked_structure(fid, str(path)), lru)
     except BaseException as e:
-        f.close()
+        _close_id(fid, h5py.File(fid) if fid.valid else None)  # (and whatever the walk left open)
         if isinstance(e, (HooklineError, MemoryError)) or not isinstance(e, Exception):
             raise
         # (HDF5 reading damaged metadata: OSError, RuntimeError, KeyError, UnicodeDecodeError...)

@@ -21,7 +21,7 @@ import pytest
 
 from hookline.storage import FormatError, RunWriter, open_run
 from hookline.storage import dtypes, format as hformat, reader
-from _storage_support import GID, HID, record_value, write_std_run
+from _storage_support import GID, HID, open_files_under, record_value, write_std_run
 
 
 def _settle(run_dir: Path) -> None:
@@ -73,9 +73,11 @@ def test_opening_a_run_and_reading_one_record_opens_exactly_one_hdf5_file(run_di
     opens = _h5_opens(monkeypatch)
     with open_run(run_dir) as run:
         x = run[HID]["outputs.0"][4]
+        assert open_files_under(run_dir) == 1
     np.testing.assert_array_equal(x, record_value(4))
     assert [Path(p).name for _, p in opens] == ["blocks.0.h5"], opens
     assert Path(opens[0][1]).parent.name == "outputs"
+    assert open_files_under(run_dir) == 0  # (closed with the run, though no h5py File was made)
 
 
 def test_opening_a_closed_run_and_reading_one_record_lists_no_directory(run_dir, monkeypatch):
