@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import stat
+from functools import cached_property
 from pathlib import Path
 
 from .errors import FormatError, StorageError
@@ -67,13 +68,20 @@ class RunRoot:
 
     Attributes:
         path: the run directory as given (returned paths are below it).
-        real: its resolved absolute path.
+        real: its resolved absolute path (resolved on first use).
     """
 
     def __init__(self, run_dir: str | os.PathLike[str]) -> None:
         self.path = run_dir if isinstance(run_dir, Path) else Path(run_dir)
-        self.real = os.path.realpath(self.path)
-        self._prefix = self.real.rstrip(os.sep) + os.sep
+        self._given = str(self.path)
+
+    @cached_property
+    def real(self) -> str:
+        return os.path.realpath(self.path)
+
+    @cached_property
+    def _prefix(self) -> str:
+        return self.real.rstrip(os.sep) + os.sep
 
     def resolve(self, rel: object, *, what: str) -> Path:
         """The resolved path of a name that stays inside the run after symlinks (whatever it
@@ -88,7 +96,7 @@ class RunRoot:
         """:meth:`resolve` as a str, with the ``lstat`` of what it names when the name was
         resolved without meeting a symlink (then it is also its ``stat``), else None."""
         rel = check_relative(rel, what=what, where=str(self.path))
-        real, st = self._walk(rel)
+        real, st = self._walk(self.real, rel)
         if real is None:
             real = os.path.realpath(self.path / rel)
         if not real.startswith(self._prefix):
@@ -96,13 +104,14 @@ class RunRoot:
                               f"(through a symbolic link, to {real!r}); {_FIX}")
         return real, st
 
-    def _walk(self, rel: str) -> tuple[str | None, os.stat_result | None]:
-        """Resolve ``rel`` below the resolved run directory by one ``lstat`` per component
+    @staticmethod
+    def _walk(base: str, rel: str) -> tuple[str | None, os.stat_result | None]:
+        """Follow ``rel`` below the directory ``base`` by one ``lstat`` per component
         (``realpath`` of the whole path costs one per component of the run directory's path
         too): ``(path, lstat)`` when every component exists and none is a symlink, else
         ``(None, None)`` (the caller resolves with ``realpath``). ``rel`` has no ``..``
-        (:func:`check_relative`), so joining plain components cannot leave the run."""
-        cur = self.real
+        (:func:`check_relative`), so joining plain components cannot leave ``base``."""
+        cur = base
         st = None
         for part in rel.split("/"):
             if part in ("", "."):
@@ -134,13 +143,19 @@ class RunRoot:
         return self.located(rel, what=what)[0]
 
     def located(self, rel: object, *, what: str) -> tuple[Path, str]:
-        """:meth:`file`, and the file's resolved path (what to open: it is inside the run).
+        """:meth:`file`, and the path to open it by (inside the run: no component below the run
+        directory is a symlink, or it is the resolved path).
 
         Raises:
             FormatError, StorageError: as :meth:`file`.
         """
-        real, st = self._resolve(rel, what=what)
-        path = self.path / rel  # type: ignore[operator]
+        rel = check_relative(rel, what=what, where=str(self.path))
+        # Below the run directory as given (whatever it resolves to: the run directory itself
+        # may be a symlink): no component a symlink, so nothing leads out of it. Else resolved.
+        real, st = self._walk(self._given, rel)
+        if real is None:
+            real, st = self._resolve(rel, what=what)
+        path = self.path / rel
         try:
             mode = st.st_mode if st is not None else os.stat(real).st_mode
         except (FileNotFoundError, NotADirectoryError):

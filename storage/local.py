@@ -91,6 +91,7 @@ class LocalSource:
 
     def __init__(self, root: str | os.PathLike[str]):
         self.root = Path(root)
+        self._root = str(self.root)
         self._confined = RunRoot(self.root)  # (resolved once: every path of the run is checked against it)
         #: ids of the manifests :meth:`manifests` returned already checked (read_manifest checks them)
         self.checked: set[int] = set()
@@ -154,7 +155,7 @@ class LocalSource:
             return False
         folder = rel.rpartition("/")[0]
         try:
-            changed = os.stat(os.path.join(self._confined.real, folder) if folder else self._confined.real).st_mtime_ns
+            changed = os.stat(os.path.join(self._root, folder) if folder else self._root).st_mtime_ns
         except OSError:
             return False
         return changed < written
