@@ -186,28 +186,21 @@ def bench_stages(run: Path, n: int, rounds: int) -> dict[str, float]:
             got.setdefault(name, []).append((b - a) * 1e6)
         got.setdefault(names[0].split(" ")[0] + " total", []).append((stamps[-1] - stamps[0]) * 1e6)
 
+    def stamped(steps: list[Callable[[dict], Any]]) -> list[float]:
+        """Run the steps on one shared dict; the clock before the first and after each."""
+        state: dict[str, Any] = {}
+        t = [time.perf_counter()]
+        for step in steps:
+            step(state)
+            t.append(time.perf_counter())
+        return t
+
     for k in range(rounds + 1):
         i = k % n
-        t = [time.perf_counter()]
-        r = open_run(run)
-        t.append(time.perf_counter())
-        h = r[HID]
-        t.append(time.perf_counter())
-        f = h[FIELD]
-        t.append(time.perf_counter())
-        f[i]
-        t.append(time.perf_counter())
-        r.close()
-        t.append(time.perf_counter())
-        u = [time.perf_counter()]
-        hf = h5py.File(path, "r")
-        u.append(time.perf_counter())
-        ds = hf[FIELD]
-        u.append(time.perf_counter())
-        ds[i]
-        u.append(time.perf_counter())
-        hf.close()
-        u.append(time.perf_counter())
+        t = stamped([lambda s: s.update(r=open_run(run)), lambda s: s.update(h=s["r"][HID]),
+                     lambda s: s.update(f=s["h"][FIELD]), lambda s: s["f"][i], lambda s: s["r"].close()])
+        u = stamped([lambda s: s.update(f=h5py.File(path, "r")), lambda s: s.update(ds=s["f"][FIELD]),
+                     lambda s: s["ds"][i], lambda s: s["f"].close()])
         if k:
             note(("hookline open_run", "hookline run[h]", "hookline h[f]", "hookline f[i]", "hookline close"), t)
             note(("h5py File", "h5py f[name]", "h5py ds[i]", "h5py close"), u)
