@@ -2,9 +2,11 @@
 
 What a pass does (:meth:`Uploader.run`), each step a method of :class:`_Pass`:
 
-1. reads the run directory's manifest(s) (``manifest.json`` / ``manifest.rank<r>.json``), fetches
-   the MLflow run (that request is the reachability probe: :func:`~.client.get_run` with
-   ``probe=True``) and checks that it holds no other run directory;
+1. reads the run directory's manifest(s) (``manifest.json`` / ``manifest.rank<r>.json``), starts
+   fetching the MLflow run on a thread (that request is the reachability probe:
+   :func:`~.client.get_run` with ``probe=True``) and, while it is on its way, checks the handle
+   files on disk (their norms read from record 0 on); once the run is in, checks that it holds no
+   other run directory (nothing is sent to the run before that);
 2. starts uploading every handle file whose size/SHA-256 differs from the run's sync record
    (:mod:`.syncstate`), as artifact ``hookline/<file>`` (``<file>`` is the manifest's relative path, i.e.
    ``<key>.h5`` or ``<key>.rank<r>.h5``), several at once on plain threads, straight to the run's

@@ -792,3 +792,19 @@ def test_a_final_pass_fetches_its_run_once_and_sends_no_separate_probe(mlflow_se
     assert len(data) == len(FIVE) and len(puts) == len(FIVE) + 2, got
     assert puts[-2].endswith("/hookline/manifest.json") and max(data) < len(puts) - 2, got
     assert puts[-1].endswith("/hookline/sync.json"), got
+
+
+def test_opening_a_run_from_mlflow_probes_with_its_get_run(mlflow_server_factory, tmp_path):
+    """``mlflow_source`` (``show runs:/ID``) fetches its run with the reachability probe itself:
+    one runs/get, no separate experiments/get before it."""
+    from mlflow import MlflowClient
+
+    server = mlflow_server_factory()
+    rid = MlflowClient(server.uri).create_run("0").info.run_id
+    built = build_run(tmp_path / "run", SPECS, records=3)
+    assert sync(built.path, rid, tracking_uri=server.uri).ok
+    log = server.root / "server.log"
+    n = _settled_lines(log)
+    src = mlflow_source(f"runs:/{rid}", tracking_uri=server.uri, cache_dir=tmp_path / "cache")
+    assert _requests(log, n) == ["GET /api/2.0/mlflow/runs/get"]
+    assert [m["run_uuid"] for m in src.manifests()] == [json.loads((built.path / "manifest.json").read_text())["run_uuid"]]
