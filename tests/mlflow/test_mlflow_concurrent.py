@@ -68,3 +68,31 @@ def test_a_file_the_server_fails_to_store_mid_pass_is_reported_and_uploaded_by_t
     assert sorted(_record(client, rid, tmp_path / "rec2")) == sorted([*others, bad, "hookline/manifest.json"])
     stored = _server_path(server, run, bad)
     assert stored.is_file() and stored.read_bytes() == (built.path / "outputs" / "blocks.1.h5").read_bytes()
+
+
+def test_norms_read_ahead_from_record_0_equal_those_read_from_the_watermark(tmp_path):
+    """A pass checks files before its run (and so the run's watermark) is in, reading the norms
+    from record 0; brought up to the watermark they are what reading from it gives."""
+    import numpy as np
+
+    from hookline.storage.mlflow.rundir import file_damage, norm_fields, series_since
+
+    built = build_run(tmp_path / "run", FIVE, records=5)
+    man = json.loads((built.path / "manifest.json").read_text())
+    entry = man["handles"]["grads[blocks.1]"]
+    fields = norm_fields(entry["fields"])
+    path = built.path / entry["file"]
+
+    def read(start: int) -> list:
+        out: dict = {}
+        assert file_damage(path, "grads[blocks.1]", entry, exact=True, norms=(fields, start, out)) is None
+        return out["series"]
+
+    ahead = read(0)
+    for start in (0, 2, 4):
+        want, got = read(start), series_since(ahead, start)
+        assert [s.base for s in got] == [s.base for s in want] and len(got) == len(fields)
+        for g, w in zip(got, want):
+            assert len(g.records) == 5 - start
+            for name in ("records", "steps", "norms", "all_norms", "all_steps", "all_records"):
+                np.testing.assert_array_equal(getattr(g, name), getattr(w, name))
