@@ -142,6 +142,21 @@ class PendingCall:
         except RuntimeError:  # interpreter exit (Python 3.12 starts no thread then): unbounded
             run()
 
+    @classmethod
+    def finished(cls, budget: CallBudget, what: str, value: Any) -> PendingCall:
+        """A call that has already returned ``value`` (no thread)."""
+        done = cls.__new__(cls)
+        done._budget, done._what, done._limit = budget, what, budget.seconds
+        done._box = {"value": value}
+        done._done = threading.Event()
+        done._done.set()
+        done._t0 = time.monotonic()
+        return done
+
+    def done(self) -> bool:
+        """Whether the call has returned (or raised); never waits."""
+        return self._done.is_set()
+
     def result(self) -> Any:
         """The call's value, once it finished within its limit.
 

@@ -19,7 +19,7 @@ from .keys import origin_tag
 from .client import short_error
 
 __all__ = ["NormSeries", "check_origin", "load_manifests", "created_ms", "file_damage", "file_digest", "norm_fields",
-           "read_series", "part_series"]
+           "read_series", "part_series", "series_since"]
 
 #: ``mode="stats"`` fields other than ``.norm`` get no metric series of their own.
 _STATS_SUFFIXES = (".mean", ".std", ".min", ".max", ".absmax", ".hist")
@@ -244,6 +244,17 @@ def part_series(part: Any, fields: list[tuple[str, str, bool]], start: int) -> l
         steps = steps_all[recs - part.record_start]
         new = recs >= start
         out.append(NormSeries(base, recs[new], steps[new], vals[new], vals, steps, recs))
+    return out
+
+
+def series_since(series: list[NormSeries], start: int) -> list[NormSeries]:
+    """``series`` with only the entries of handle records ``start:`` as new (the summaries keep
+    every entry): series read from an earlier watermark, brought up to the run's."""
+    out = []
+    for s in series:
+        new = s.all_records >= start
+        out.append(NormSeries(s.base, s.all_records[new], s.all_steps[new], s.all_norms[new], s.all_norms,
+                              s.all_steps, s.all_records))
     return out
 
 

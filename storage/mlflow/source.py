@@ -205,8 +205,8 @@ def mlflow_source(uri: str, *, tracking_uri: str | None = None, cache_dir: str |
             answer, answers errors, or a call runs out of the time budget).
     """
     run_id, root, tu = parse_run_uri(uri, tracking_uri)
-    client = connect(tu, existing=True, timeout=mlflow_timeout)
+    client = connect(tu, existing=True, timeout=mlflow_timeout, probe=False)
     budget = CallBudget(tracking_uri_of(client), mlflow_timeout)
-    run = get_run(client, run_id, budget)
+    run = get_run(client, run_id, budget, probe=True)  # (its runs/get is the reachability probe)
     return MlflowSource(run_id, root, client, _cache_base(cache_dir) / run_id, budget,
                         getattr(run.info, "artifact_uri", None))

@@ -60,6 +60,30 @@ class ParallelUploads:
         self._t0 = time.monotonic()
         self._threads: list[threading.Thread] = []
 
+    def prestart(self, n: int) -> None:
+        """Start the threads for ``n`` uploads now (e.g. while the run is fetched), so that
+        :meth:`add` hands its upload to a waiting thread instead of starting one."""
+        while len(self._threads) < min(self._max, n):
+            if not self._start_thread():
+                return
+
+    def target(self, repo: Any) -> None:
+        """Upload into ``repo`` (the run's artifact repository, known once the run is fetched;
+        None: through the client); call before the first :meth:`add`."""
+        self._repo = repo
+        if repo is not None:
+            self._first.set()
+        self._t0 = time.monotonic()  # (the time limit counts from here, not from the run's fetch)
+
+    def _start_thread(self) -> bool:
+        t = threading.Thread(target=self._work, name="hookline-upload", daemon=True)
+        try:
+            t.start()
+        except RuntimeError:  # Python 3.12 starts no thread at interpreter exit: wait() uploads
+            return False
+        self._threads.append(t)
+        return True
+
     def add(self, up: FileUpload) -> None:
         """Start uploading ``up`` (on a free thread)."""
         with self._cond:
@@ -69,12 +93,7 @@ class ParallelUploads:
             self._queue.append(len(self._uploads) - 1)
             self._cond.notify()
         if len(self._threads) < min(self._max, len(self._uploads)):
-            t = threading.Thread(target=self._work, name="hookline-upload", daemon=True)
-            try:
-                t.start()
-            except RuntimeError:  # Python 3.12 starts no thread at interpreter exit: wait() uploads
-                return
-            self._threads.append(t)
+            self._start_thread()
 
     def _work(self) -> None:
         while True:

@@ -2,9 +2,11 @@
 
 What a pass does (:meth:`Uploader.run`), each step a method of :class:`_Pass`:
 
-1. reads the run directory's manifest(s) (``manifest.json`` / ``manifest.rank<r>.json``), fetches
-   the MLflow run (that request is the reachability probe: :func:`~.client.get_run` with
-   ``probe=True``) and checks that it holds no other run directory;
+1. reads the run directory's manifest(s) (``manifest.json`` / ``manifest.rank<r>.json``), starts
+   fetching the MLflow run on a thread (that request is the reachability probe:
+   :func:`~.client.get_run` with ``probe=True``) and, while it is on its way, checks the handle
+   files on disk (their norms read from record 0 on); once the run is in, checks that it holds no
+   other run directory (nothing is sent to the run before that);
 2. starts uploading every handle file whose size/SHA-256 differs from the run's sync record
    (:mod:`.syncstate`), as artifact ``hookline/<file>`` (``<file>`` is the manifest's relative path, i.e.
    ``<key>.h5`` or ``<key>.rank<r>.h5``), several at once on plain threads, straight to the run's
@@ -50,8 +52,8 @@ from ..errors import DuplicateNameError, FormatError, HookTypeError, InvalidArgu
 from ..confine import RunRoot
 from ..errors import TrackingUnreachableError, UnknownNameError
 from ..format import check_manifest
-from .client import REACH_TIMEOUT_S, CallBudget, artifact_repository, budget_seconds, connect, get_run, short_error, \
-    tracking_uri_of
+from .client import REACH_TIMEOUT_S, CallBudget, PendingCall, artifact_repository, budget_seconds, connect, get_run, \
+    short_error, tracking_uri_of
 from .keys import (
     ARTIFACT_ROOT,
     FORMAT_VERSION_TAG,
@@ -63,7 +65,7 @@ from .keys import (
 )
 from .report import SyncReport
 from .rundir import NormSeries, check_origin, created_ms, file_damage, file_digest, load_manifests, norm_fields, \
-    read_series
+    read_series, series_since
 from .runpage import handle_tags, norm_points
 from .syncstate import SyncState
 from .transfer import FileUpload, ParallelUploads
@@ -102,6 +104,29 @@ class _HandlePlan:
     rank: int | None
     handle_id: str
     entry: dict
+
+
+@dataclass
+class _LocalFile:
+    """A handle's file as checked on disk (before or after the MLflow run is known).
+
+    Attributes:
+        artifact: its artifact path (``hookline/<file>``).
+        local: the file (None: the manifest entry's path is refused).
+        digest: its ``<size>:<sha256>`` ("": the file is missing).
+        refused: why the manifest entry's path is not one to upload (None: it is).
+        checked: the watermark its norms were read from (None: :func:`file_damage` not run yet).
+        damage: why the file is damaged (None: sound, or not checked yet).
+        series: its norm series from record ``checked`` on (None: not read).
+    """
+
+    artifact: str
+    local: Path | None = None
+    digest: str = ""
+    refused: str | None = None
+    checked: int | None = None
+    damage: str | None = None
+    series: list[NormSeries] | None = None
 
 
 class Uploader:
@@ -185,12 +210,16 @@ class Uploader:
         if self._down is not None and time.monotonic() - self._down[0] < REACH_TIMEOUT_S:
             raise self._down[1]
 
-    def fetch_run(self, budget: CallBudget) -> Any:
-        """The MLflow run: the one :meth:`check_run` fetched just before, else fetched now by the
-        pass's probe (:func:`~.client.get_run` with ``probe=True``: a failing server fails in
-        seconds, not after MLflow's minutes of retries)."""
+    def start_fetch(self, budget: CallBudget) -> PendingCall:
+        """The MLflow run: the one :meth:`check_run` fetched just before, else fetched on a thread
+        by the pass's probe (:func:`~.client.get_run` with ``probe=True``: a failing server fails
+        in seconds, not after MLflow's minutes of retries) while the pass checks its files."""
         run, self._run_now = self._run_now, None
-        return run if run is not None else get_run(self.client, self.run_id, budget, probe=True)
+        if run is not None:
+            return PendingCall.finished(budget, "get_run", run)
+        # (the probe and MLflow's get_run are each bounded: this limit is a backstop behind both)
+        limit = budget.seconds + min(REACH_TIMEOUT_S, budget.seconds) + 1
+        return PendingCall(budget, "get_run", limit, get_run, (self.client, self.run_id, budget), {"probe": True})
 
     def run(self, run_dir: Path, mode: PassMode) -> SyncReport:
         """One pass over ``run_dir`` (after a pass already running finished).
@@ -247,6 +276,21 @@ class _Pass:
         self.repo: Any = None  # the run's artifact repository (None: uploads go through the client)
         #: norm series read while a file was checked (opened once): (handle id, rank) -> (records, series)
         self.series: dict[tuple[str, int | None], tuple[int, list[NormSeries]]] = {}
+        self.origin: dict[str, str] | None = None  # the origin params (None: the run is not fetched yet)
+
+    def _arrive(self, run: Any, running: ParallelUploads) -> None:
+        """Take in the fetched MLflow run: its tags and params, the origin check (before anything
+        is uploaded), its artifact repository (for the uploads) and the sync record."""
+        self.tags_now, self.params_now = dict(run.data.tags), dict(run.data.params)
+        self.origin = check_origin(self.run_id, self.run_dir, self.manifests, self.tags_now, self.params_now)
+        self.repo = artifact_repository(self.client, run)  # (no second lookup of the run by MLflow)
+        running.target(self.repo)
+        if self.mode != PassMode.METRICS:
+            if self.up.state is None:
+                self.up.state = SyncState(self.rank) if bytes_tag(self.rank) not in self.tags_now else \
+                    self.budget.call("reading the sync record", SyncState.load, self.client, self.run_id, self.rank,
+                                     self.tags_now, self.repo)  # (no tag: no record, no request)
+            self.state = self.up.state
 
     def execute(self) -> None:
         """Run the steps (module docstring) in order."""
@@ -254,23 +298,19 @@ class _Pass:
         self.client = self.up.client
         self.up.reach()
         self.budget = self.up.budget()
-        run = self.up.fetch_run(self.budget)
-        self.tags_now, self.params_now = dict(run.data.tags), dict(run.data.params)
-        origin = check_origin(self.run_id, self.run_dir, self.manifests, self.tags_now, self.params_now)
-        self.repo = artifact_repository(self.client, run)  # (no second lookup of the run by MLflow)
-        if self.mode != PassMode.METRICS:
-            if self.up.state is None:
-                self.up.state = self.budget.call("reading the sync record", SyncState.load, self.client,
-                                                 self.run_id, self.rank, self.tags_now, self.repo)
-            self.state = self.up.state
+        fetching = self.up.start_fetch(self.budget)  # (the files are checked meanwhile)
         self.plans = self._plan_handles()
-        running = ParallelUploads(self.client, self.run_id, self.up.max_workers, self.budget, self.repo)
-        uploads = self._files_to_upload(running)  # (each starts as soon as its file is checked)
+        running = ParallelUploads(self.client, self.run_id, self.up.max_workers, self.budget)
         try:
+            if self.mode != PassMode.METRICS:  # (threads started while the run is fetched)
+                running.prestart(sum(1 for p in self.plans if p.entry.get("file")))
+            uploads = self._files_to_upload(running, fetching)  # (each starts as soon as its file is checked)
+            if self.origin is None:
+                self._arrive(fetching.result(), running)
             tags, type_tags, later = self._log_norms()
             tags.update(self._run_tags(type_tags))
             tags.update(self._expected_bytes(uploads))
-            params = {k: v for k, v in origin.items() if self.params_now.get(k) != v}
+            params = {k: v for k, v in self.origin.items() if self.params_now.get(k) != v}
             sending = self.budget.start("logging tags", self._send_tags, tags, params, later)  # (while files upload)
         finally:
             if self._run is not None:
@@ -297,53 +337,91 @@ class _Pass:
             plans.extend(_HandlePlan(man, rank, hid, entry) for hid, entry in sorted(man.get("handles", {}).items()))
         return plans
 
-    def _files_to_upload(self, running: ParallelUploads) -> list[FileUpload]:
+    def _files_to_upload(self, running: ParallelUploads, fetching: PendingCall) -> list[FileUpload]:
         """The handle files whose digest differs from the sync record's, handed to ``running`` as
         they are found sound; the others are reported as skipped, pending (mid-run) or missing
-        (final pass)."""
+        (final pass). Until ``fetching`` (the MLflow run) is in, files are checked ahead, their
+        norms read from record 0 on; the run is taken in (:meth:`_arrive`) as soon as it is."""
         uploads: list[FileUpload] = []
         if self.mode == PassMode.METRICS:
             return uploads
         root = RunRoot(self.run_dir)
-        for plan in self.plans:
-            rel = plan.entry.get("file")
-            if not rel:
+        ahead: list[tuple[_HandlePlan, _LocalFile]] = []
+        for plan in [*self.plans, None]:
+            if self.origin is None and (plan is None or fetching.done()):  # (the run is in, or must be now)
+                self._arrive(fetching.result(), running)
+                for early, lf in ahead:
+                    self._decide(early, lf, running, uploads)
+            lf = self._local_file(root, plan) if plan is not None else None
+            if lf is None:
                 continue
-            try:  # (only a regular file inside the run directory is ever uploaded; a key leading
-                # outside is a damaged manifest entry: the reader would not read the handle)
-                root.key(plan.entry.get("key"), what=f"manifest key of handle {plan.handle_id!r}")
-                local = root.file(rel, what=f"file of handle {plan.handle_id!r}")
-            except FormatError as e:
-                self._refuse(plan, str(e))
-                continue
-            apath = f"{ARTIFACT_ROOT}/{Path(rel).as_posix()}"
-            if not local.is_file():
-                if self.mode == PassMode.FINAL:
-                    self.report.errors.append(
-                        f"handle {plan.handle_id!r}: file {str(local)!r} is missing (the writer is still running, or "
-                        "was killed: close it, or run `hookline verify --repair` on the run directory, then sync again)")
-                else:
-                    self.report.pending.append(apath)
-                continue
-            digest = file_digest(local, self.hashes)
-            if self.state.get(apath) == digest:
-                self.report.skipped.append(apath)
-                continue
-            got: dict[str, list[NormSeries]] = {}
-            done = self._records_logged(plan)
-            n_total = int(plan.entry.get("records", 0) or 0)
-            fields = norm_fields(plan.entry.get("fields", {}) or {})
-            want = (fields, done, got) if fields and n_total > done and self.readable else None
-            damage = file_damage(local, plan.handle_id, plan.entry, exact=self.mode == PassMode.FINAL, norms=want)
-            if "series" in got:
-                self.series[(plan.handle_id, plan.rank)] = (n_total, got["series"])
-            if damage is None:
-                uploads.append(FileUpload(apath, local, digest))
-                running.add(uploads[-1])
+            if self.origin is None:
+                if lf.digest:
+                    self._check_file(plan, lf, 0)
+                ahead.append((plan, lf))
             else:
-                self._refuse(plan, f"handle {plan.handle_id!r}: file {str(local)!r} is damaged ({damage}); "
-                                   "not uploaded (run `hookline verify --repair` on the run directory, then sync again)")
+                self._decide(plan, lf, running, uploads)
         return uploads
+
+    def _local_file(self, root: RunRoot, plan: _HandlePlan) -> _LocalFile | None:
+        """The handle's file, confined to the run directory, and its digest (None: no file entry)."""
+        rel = plan.entry.get("file")
+        if not rel:
+            return None
+        lf = _LocalFile(f"{ARTIFACT_ROOT}/{Path(rel).as_posix()}")
+        try:  # (only a regular file inside the run directory is ever uploaded; a key leading
+            # outside is a damaged manifest entry: the reader would not read the handle)
+            root.key(plan.entry.get("key"), what=f"manifest key of handle {plan.handle_id!r}")
+            local = root.file(rel, what=f"file of handle {plan.handle_id!r}")
+        except FormatError as e:
+            lf.refused = str(e)
+            return lf
+        lf.local = local
+        if local.is_file():
+            lf.digest = file_digest(local, self.hashes)
+        return lf
+
+    def _check_file(self, plan: _HandlePlan, lf: _LocalFile, start: int) -> None:
+        """:func:`file_damage` of the file; a final pass also reads its norms from record ``start``
+        on (the file is opened once for both)."""
+        if lf.local is None:
+            return
+        got: dict[str, list[NormSeries]] = {}
+        n_total = int(plan.entry.get("records", 0) or 0)
+        fields = norm_fields(plan.entry.get("fields", {}) or {})
+        want = (fields, start, got) if fields and n_total > start and self.readable else None
+        lf.damage = file_damage(lf.local, plan.handle_id, plan.entry, exact=self.mode == PassMode.FINAL, norms=want)
+        lf.checked, lf.series = start, got.get("series")
+
+    def _decide(self, plan: _HandlePlan, lf: _LocalFile, running: ParallelUploads, uploads: list[FileUpload]) -> None:
+        """Once the run is in: skip the file (the sync record has it), report it (refused, missing,
+        pending, damaged) or start its upload."""
+        if lf.local is None:
+            self._refuse(plan, str(lf.refused))
+            return
+        if not lf.digest:
+            if self.mode == PassMode.FINAL:
+                self.report.errors.append(
+                    f"handle {plan.handle_id!r}: file {str(lf.local)!r} is missing (the writer is still running, or "
+                    "was killed: close it, or run `hookline verify --repair` on the run directory, then sync again)")
+            else:
+                self.report.pending.append(lf.artifact)
+            return
+        if self.state.get(lf.artifact) == lf.digest:
+            self.report.skipped.append(lf.artifact)
+            return
+        done = self._records_logged(plan)
+        if lf.checked is None:
+            self._check_file(plan, lf, done)
+        if lf.series is not None and int(plan.entry.get("records", 0) or 0) > done:
+            self.series[(plan.handle_id, plan.rank)] = (int(plan.entry.get("records", 0) or 0),
+                                                       series_since(lf.series, done))
+        if lf.damage is None:
+            uploads.append(FileUpload(lf.artifact, lf.local, lf.digest))
+            running.add(uploads[-1])
+        else:
+            self._refuse(plan, f"handle {plan.handle_id!r}: file {str(lf.local)!r} is damaged ({lf.damage}); "
+                               "not uploaded (run `hookline verify --repair` on the run directory, then sync again)")
 
     def _refuse(self, plan: _HandlePlan, why: str) -> None:
         """Leave a handle out of the pass (file, metrics, tags): its file is not one to upload."""

@@ -764,21 +764,47 @@ def test_a_repeat_sync_reads_the_sync_record_in_one_request_without_a_progress_b
     assert len(got) <= 4, got  # probe, get_run, MLflow's capability check of its repository, the record
 
 
+FIVE = [HandleSpec(f"outputs[blocks.{i}]", LINEAR, "outputs.0") for i in range(3)] + \
+    [HandleSpec(f"grads[blocks.{i}]", LINEAR, "grad_out.0", category="backward_hook") for i in range(2)]
+
+
 def test_a_final_pass_fetches_its_run_once_and_sends_no_separate_probe(mlflow_server_factory, tmp_path):
     """The pass's get_run is its reachability probe, and the uploads go straight to the run's
     artifact repository (MLflow's log_artifact would fetch the run again): one runs/get, one PUT
-    per file, manifest and sync record, one log-batch for a small pass."""
+    per file, manifest and sync record, one log-batch for a small pass. The handle files upload
+    side by side; the manifest is sent once every one of them is stored, the sync record once the
+    manifest is (the access log has a request's line once it is answered)."""
+    from mlflow import MlflowClient
+
+    server = mlflow_server_factory()
+    rid = MlflowClient(server.uri).create_run("0").info.run_id
+    built = build_run(tmp_path / "run", FIVE, records=3)
+    log = server.root / "server.log"
+    n = _settled_lines(log)
+    rep = MlflowAdapter(rid, tracking_uri=server.uri).log_run_dir(built.path)
+    assert rep.ok and len(rep.uploaded) == len(FIVE) + 1, rep
+    got = _requests(log, n)
+    assert [r for r in got if r.startswith("GET ")] == ["GET /api/2.0/mlflow/runs/get"], got
+    assert [r for r in got if r.startswith("POST ")] == ["POST /api/2.0/mlflow/runs/log-batch"], got
+    assert got[0] == "GET /api/2.0/mlflow/runs/get", got  # (nothing is sent before the run is checked)
+    puts = [r for r in got if r.startswith("PUT ")]
+    data = [i for i, r in enumerate(puts) if r.endswith(".h5")]
+    assert len(data) == len(FIVE) and len(puts) == len(FIVE) + 2, got
+    assert puts[-2].endswith("/hookline/manifest.json") and max(data) < len(puts) - 2, got
+    assert puts[-1].endswith("/hookline/sync.json"), got
+
+
+def test_opening_a_run_from_mlflow_probes_with_its_get_run(mlflow_server_factory, tmp_path):
+    """``mlflow_source`` (``show runs:/ID``) fetches its run with the reachability probe itself:
+    one runs/get, no separate experiments/get before it."""
     from mlflow import MlflowClient
 
     server = mlflow_server_factory()
     rid = MlflowClient(server.uri).create_run("0").info.run_id
     built = build_run(tmp_path / "run", SPECS, records=3)
+    assert sync(built.path, rid, tracking_uri=server.uri).ok
     log = server.root / "server.log"
     n = _settled_lines(log)
-    rep = MlflowAdapter(rid, tracking_uri=server.uri).log_run_dir(built.path)
-    assert rep.ok and len(rep.uploaded) == len(SPECS) + 1, rep
-    got = _requests(log, n)
-    assert [r for r in got if r.startswith("GET ")] == ["GET /api/2.0/mlflow/runs/get"], got
-    puts = [r for r in got if r.startswith("PUT ")]
-    assert len(puts) == len(SPECS) + 2 and sum("sync.json" in r for r in puts) == 1, got
-    assert [r for r in got if r.startswith("POST ")] == ["POST /api/2.0/mlflow/runs/log-batch"], got
+    src = mlflow_source(f"runs:/{rid}", tracking_uri=server.uri, cache_dir=tmp_path / "cache")
+    assert _requests(log, n) == ["GET /api/2.0/mlflow/runs/get"]
+    assert [m["run_uuid"] for m in src.manifests()] == [json.loads((built.path / "manifest.json").read_text())["run_uuid"]]
