@@ -11,12 +11,14 @@ part (a 1,000-handle run seals 1,000 files at ``close()``).
 from __future__ import annotations
 
 import json
+import os
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
 import h5py
 import numpy as np
-from h5py import h5a, h5d, h5g, h5p, h5s, h5t
+from h5py import h5a, h5d, h5f, h5g, h5p, h5s, h5t
 
 from . import dtypes
 from ._filters import compression_kwargs
@@ -31,7 +33,7 @@ from .format import (
     record_chunk,
 )
 
-__all__ = ["FieldSpec", "FieldOut", "HandleFileWriter", "set_attrs"]
+__all__ = ["FieldSpec", "FieldOut", "HandleFileWriter", "create_file", "open_file", "set_attrs"]
 
 #: h5py's types for the attribute values hookline writes (``attrs[k] = "text"`` and
 #: ``attrs[k] = np.int64(v)``), made once.
@@ -44,16 +46,60 @@ _F64_T = h5t.py_create(np.dtype(np.float64), logical=True)
 _SCALAR = h5s.create(h5s.SCALAR)
 
 
+def _plists() -> tuple[h5p.PropFAID, h5p.PropFCID, dict[int, h5p.PropLCID], h5p.PropGCID]:
+    """The property lists ``h5py.File(path, "w", rdcc_nbytes=0)``, ``create_group`` and link
+    creation use, made once (HDF5 copies a list it is given: sharing them is safe)."""
+    fapl = h5p.create(h5p.FILE_ACCESS)
+    fapl.set_libver_bounds(h5f.LIBVER_EARLIEST, h5f.LIBVER_LATEST)
+    fapl.set_alignment(1, 1)
+    cache = list(fapl.get_cache())
+    cache[2] = 0  # (rdcc_nbytes=0: chunks go straight to the file)
+    fapl.set_cache(*cache)
+    fcpl = h5p.create(h5p.FILE_CREATE)
+    fcpl.set_obj_track_times(False)
+    lcpls = {}
+    for cset in (h5t.CSET_ASCII, h5t.CSET_UTF8):
+        lcpl = lcpls[cset] = h5p.create(h5p.LINK_CREATE)
+        lcpl.set_create_intermediate_group(True)
+        lcpl.set_char_encoding(cset)
+    gcpl = h5p.create(h5p.GROUP_CREATE)
+    gcpl.set_obj_track_times(False)
+    return fapl, fcpl, lcpls, gcpl
+
+
+_FAPL, _FCPL, _LCPLS, _GCPL = _plists()
+
+
 def _name(name: str) -> tuple[bytes, h5p.PropLCID]:
     """A link name as h5py encodes it (ASCII, else UTF-8) with its link creation list."""
     try:
-        raw, cset = name.encode("ascii"), h5t.CSET_ASCII
+        return name.encode("ascii"), _LCPLS[h5t.CSET_ASCII]
     except UnicodeEncodeError:
-        raw, cset = name.encode("utf8"), h5t.CSET_UTF8
-    lcpl = h5p.create(h5p.LINK_CREATE)
-    lcpl.set_create_intermediate_group(True)
-    lcpl.set_char_encoding(cset)
-    return raw, lcpl
+        return name.encode("utf8"), _LCPLS[h5t.CSET_UTF8]
+
+
+@lru_cache(maxsize=256)
+def _dcpl(chunks: tuple[int, ...]) -> h5p.PropDCID:
+    """h5py's dataset creation list for an unfiltered dataset with chunks ``chunks``."""
+    dcpl = h5p.create(h5p.DATASET_CREATE)
+    _dcpl_defaults(dcpl, chunks)
+    return dcpl
+
+
+def _dcpl_defaults(dcpl: h5p.PropDCID, chunks: tuple[int, ...]) -> None:
+    dcpl.set_chunk(chunks)
+    dcpl.set_obj_track_times(False)
+    dcpl.set_attr_creation_order(0)
+
+
+def create_file(path: Path) -> h5py.File:
+    """``h5py.File(path, "w", rdcc_nbytes=0)`` (truncating) with property lists made once."""
+    return h5py.File(h5f.create(os.fsencode(path), h5f.ACC_TRUNC, fapl=_FAPL, fcpl=_FCPL))
+
+
+def open_file(path: Path) -> h5py.File:
+    """``h5py.File(path, "r+", rdcc_nbytes=0)`` with property lists made once."""
+    return h5py.File(h5f.open(os.fsencode(path), h5f.ACC_RDWR, fapl=_FAPL))
 
 
 def set_attrs(oid: h5py.h5o.ObjectID, items: dict[str, Any]) -> None:
@@ -85,10 +131,9 @@ def _create_dataset(loc: h5g.GroupID, name: str, tid: h5t.TypeID, shape: tuple[i
     """``loc.create_dataset(name, shape, maxshape=(None, *shape[1:]), chunks=chunks,
     data=data)`` as h5py makes it (``dcpl``: one with its filters already set)."""
     if dcpl is None:
-        dcpl = h5p.create(h5p.DATASET_CREATE)
-    dcpl.set_chunk(chunks)
-    dcpl.set_obj_track_times(False)
-    dcpl.set_attr_creation_order(0)
+        dcpl = _dcpl(tuple(chunks))
+    else:
+        _dcpl_defaults(dcpl, chunks)
     space = h5s.create_simple(shape, (h5s.UNLIMITED, *shape[1:]))
     ds = h5d.create(loc, _name(name)[0], tid, space, dcpl=dcpl)
     if data is not None:
@@ -99,9 +144,7 @@ def _create_dataset(loc: h5g.GroupID, name: str, tid: h5t.TypeID, shape: tuple[i
 def _create_group(loc: h5g.GroupID, name: str) -> h5g.GroupID:
     """``loc.create_group(name)`` as h5py makes it."""
     raw, lcpl = _name(name)
-    gcpl = h5p.create(h5p.GROUP_CREATE)
-    gcpl.set_obj_track_times(False)
-    return h5g.create(loc, raw, lcpl=lcpl, gcpl=gcpl)
+    return h5g.create(loc, raw, lcpl=lcpl, gcpl=_GCPL)
 
 
 class FieldSpec:
@@ -231,7 +274,7 @@ class HandleFileWriter:
                  writeback: Writeback | int | None = WRITEBACK_BYTES) -> None:
         self.path = Path(path)
         clear_for_new_file(self.path)  # (a symlink or FIFO left at this name is not written through)
-        self.f: h5py.File | None = h5py.File(self.path, "w", rdcc_nbytes=0)
+        self.f: h5py.File | None = create_file(self.path)
         self.writeback = writeback if isinstance(writeback, Writeback) else Writeback(writeback)
         self.attrs = attrs
         self.record_start = record_start
@@ -271,7 +314,7 @@ class HandleFileWriter:
         """Reopen a parked file for appending (~0.3 ms)."""
         if self.f is not None:
             return
-        self.f = h5py.File(self.path, "r+", rdcc_nbytes=0)
+        self.f = open_file(self.path)
         for name, out in self.fields.items():
             out.ds = h5d.open(self.f.id, _name(name)[0])
 
