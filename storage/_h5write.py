@@ -33,7 +33,7 @@ from .format import (
     record_chunk,
 )
 
-__all__ = ["FieldSpec", "FieldOut", "HandleFileWriter", "create_file", "open_file", "set_attrs"]
+__all__ = ["FieldSpec", "FieldOut", "HandleFileWriter", "create_file", "open_file"]
 
 #: h5py's types for the attribute values hookline writes (``attrs[k] = "text"`` and
 #: ``attrs[k] = np.int64(v)``), made once.
@@ -102,9 +102,10 @@ def open_file(path: Path) -> h5py.File:
     return h5py.File(h5f.open(os.fsencode(path), h5f.ACC_RDWR, fapl=_FAPL))
 
 
-def set_attrs(oid: h5py.h5o.ObjectID, items: dict[str, Any]) -> None:
+def _set_attrs(oid: h5py.h5o.ObjectID, items: dict[str, Any]) -> None:
     """Write new attributes on the object ``oid`` as ``h5py``'s ``attrs[name] = value`` would:
-    str and int64 values (scalars and 1-D arrays) directly, others through h5py."""
+    str and int64 values (scalars and 1-D arrays) directly, others through h5py. The object is
+    one this module just created: none of them exists yet (HDF5 refuses a second one)."""
     for name, v in items.items():
         if isinstance(v, str):
             tid, mtype, space, data = _STR_T, _STR_M, _SCALAR, np.array(v, dtype=_STR_NP)
@@ -115,10 +116,7 @@ def set_attrs(oid: h5py.h5o.ObjectID, items: dict[str, Any]) -> None:
         else:
             h5py.AttributeManager(h5py.Group(oid) if isinstance(oid, h5g.GroupID) else h5py.Dataset(oid))[name] = v
             continue
-        raw = name.encode("utf8")
-        if h5a.exists(oid, raw):
-            h5a.delete(oid, raw)
-        attr = h5a.create(oid, raw, tid, space)
+        attr = h5a.create(oid, name.encode("utf8"), tid, space)
         try:
             attr.write(data, mtype=mtype)
         finally:
@@ -342,7 +340,7 @@ class HandleFileWriter:
                 _write_field_index(idx, out)
         finally:
             idx.close()
-        set_attrs(f.id, {**self.attrs, "hookline_format": FILE_FORMAT,
+        _set_attrs(f.id, {**self.attrs, "hookline_format": FILE_FORMAT,
                          "format_version": np.int64(FORMAT_VERSION),
                          "record_start": np.int64(self.record_start), "records": np.int64(n),
                          "fields": json.dumps(list(self.fields))})
@@ -374,7 +372,7 @@ def _write_field_index(idx: h5g.GroupID, out: FieldOut) -> None:
         if spec.info.has_norm:
             nrm = np.concatenate(out.norms) if out.norms else np.zeros(0)
             _create_dataset(g, "norm", _F64_T, (m,), index_chunk(m), nrm.astype(np.float64)).close()
-        set_attrs(out.ds, {"dtype": spec.dtype_name, "layout": "ragged" if spec.ragged else "fixed",
+        _set_attrs(out.ds, {"dtype": spec.dtype_name, "layout": "ragged" if spec.ragged else "fixed",
                            "ndim": np.int64(spec.ndim), "records": np.int64(m)})
         if spec.ragged:
             off = np.concatenate(out.offsets) if out.offsets else np.zeros(0, np.int64)
@@ -383,6 +381,6 @@ def _write_field_index(idx: h5g.GroupID, out: FieldOut) -> None:
             _create_dataset(g, "shape", _I64_T, (m, spec.ndim), index_chunk(m, max(1, spec.ndim)),
                             shp.astype(np.int64).reshape(m, spec.ndim)).close()
         else:
-            set_attrs(out.ds, {"shape": np.asarray(spec.shape, dtype=np.int64)})
+            _set_attrs(out.ds, {"shape": np.asarray(spec.shape, dtype=np.int64)})
     finally:
         g.close()

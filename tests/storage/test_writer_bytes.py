@@ -179,3 +179,20 @@ def test_parked_file_is_byte_identical_to_h5py_high_level(tmp_path: Path) -> Non
                        "fields": json.dumps(["outputs.0"])}.items():
             f.attrs[key] = v
     assert new.read_bytes() == ref.read_bytes()
+
+
+def test_other_attribute_values_are_written_as_h5py_writes_them(tmp_path: Path) -> None:
+    """Attribute values other than str and int64 (a copied file's own, e.g. by verify's repair)
+    go through h5py: the same bytes as ``attrs[k] = v``."""
+    attrs = {**ATTRS, "a_float": 1.5, "an_int": 3, "f32": np.float32(2), "arr": np.array([1.0, 2.0]),
+             "i32": np.int32(4), "unicode": "größe"}
+    new, ref = tmp_path / "new.h5", tmp_path / "ref.h5"
+    HandleFileWriter(new, attrs, 0, None).finish()
+    with h5py.File(ref, "w", rdcc_nbytes=0) as f:
+        f.create_dataset("step", data=np.zeros(0, np.int64), maxshape=(None,), chunks=index_chunk(0))
+        f.create_dataset("call", data=np.zeros(0, np.int64), maxshape=(None,), chunks=index_chunk(0))
+        f.create_group(INDEX_GROUP)
+        for key, v in {**attrs, "hookline_format": FILE_FORMAT, "format_version": np.int64(FORMAT_VERSION),
+                       "record_start": np.int64(0), "records": np.int64(0), "fields": "[]"}.items():
+            f.attrs[key] = v
+    assert new.read_bytes() == ref.read_bytes()
