@@ -33,7 +33,7 @@ from .format import (
     record_chunk,
 )
 
-__all__ = ["FieldSpec", "FieldOut", "HandleFileWriter", "create_file", "open_file"]
+__all__ = ["FieldSpec", "FieldOut", "HandleFileWriter"]
 
 #: h5py's types for the attribute values hookline writes (``attrs[k] = "text"`` and
 #: ``attrs[k] = np.int64(v)``), made once.
@@ -82,22 +82,18 @@ def _name(name: str) -> tuple[bytes, h5p.PropLCID]:
 def _dcpl(chunks: tuple[int, ...]) -> h5p.PropDCID:
     """h5py's dataset creation list for an unfiltered dataset with chunks ``chunks``."""
     dcpl = h5p.create(h5p.DATASET_CREATE)
-    _dcpl_defaults(dcpl, chunks)
-    return dcpl
-
-
-def _dcpl_defaults(dcpl: h5p.PropDCID, chunks: tuple[int, ...]) -> None:
     dcpl.set_chunk(chunks)
     dcpl.set_obj_track_times(False)
     dcpl.set_attr_creation_order(0)
+    return dcpl
 
 
-def create_file(path: Path) -> h5py.File:
+def _create_file(path: Path) -> h5py.File:
     """``h5py.File(path, "w", rdcc_nbytes=0)`` (truncating) with property lists made once."""
     return h5py.File(h5f.create(os.fsencode(path), h5f.ACC_TRUNC, fapl=_FAPL, fcpl=_FCPL))
 
 
-def open_file(path: Path) -> h5py.File:
+def _open_file(path: Path) -> h5py.File:
     """``h5py.File(path, "r+", rdcc_nbytes=0)`` with property lists made once."""
     return h5py.File(h5f.open(os.fsencode(path), h5f.ACC_RDWR, fapl=_FAPL))
 
@@ -124,16 +120,11 @@ def _set_attrs(oid: h5py.h5o.ObjectID, items: dict[str, Any]) -> None:
 
 
 def _create_dataset(loc: h5g.GroupID, name: str, tid: h5t.TypeID, shape: tuple[int, ...],
-                    chunks: tuple[int, ...], data: np.ndarray | None = None,
-                    dcpl: h5p.PropDCID | None = None) -> h5d.DatasetID:
+                    chunks: tuple[int, ...], data: np.ndarray | None = None) -> h5d.DatasetID:
     """``loc.create_dataset(name, shape, maxshape=(None, *shape[1:]), chunks=chunks,
-    data=data)`` as h5py makes it (``dcpl``: one with its filters already set)."""
-    if dcpl is None:
-        dcpl = _dcpl(tuple(chunks))
-    else:
-        _dcpl_defaults(dcpl, chunks)
+    data=data)`` of an unfiltered dataset, as h5py makes it."""
     space = h5s.create_simple(shape, (h5s.UNLIMITED, *shape[1:]))
-    ds = h5d.create(loc, _name(name)[0], tid, space, dcpl=dcpl)
+    ds = h5d.create(loc, _name(name)[0], tid, space, dcpl=_dcpl(tuple(chunks)))
     if data is not None:
         ds.write(h5s.ALL, h5s.ALL, data)
     return ds
@@ -272,7 +263,7 @@ class HandleFileWriter:
                  writeback: Writeback | int | None = WRITEBACK_BYTES) -> None:
         self.path = Path(path)
         clear_for_new_file(self.path)  # (a symlink or FIFO left at this name is not written through)
-        self.f: h5py.File | None = create_file(self.path)
+        self.f: h5py.File | None = _create_file(self.path)
         self.writeback = writeback if isinstance(writeback, Writeback) else Writeback(writeback)
         self.attrs = attrs
         self.record_start = record_start
@@ -312,7 +303,7 @@ class HandleFileWriter:
         """Reopen a parked file for appending (~0.3 ms)."""
         if self.f is not None:
             return
-        self.f = open_file(self.path)
+        self.f = _open_file(self.path)
         for name, out in self.fields.items():
             out.ds = h5d.open(self.f.id, _name(name)[0])
 
