@@ -1,4 +1,4 @@
-"""File system helpers of the storage layer: fsync, atomic publish, the run lock, writeback, open-file limits.
+"""File system helpers of the storage layer: fsync, atomic publish, file creation ahead, the run lock, writeback, open-file limits.
 
 Everything here talks to the operating system about files, never to HDF5: durability (fsync of
 files and directories, atomic renames), the writer's exclusive lock on a run directory, kernel
@@ -10,8 +10,9 @@ from __future__ import annotations
 import errno
 import json
 import os
+import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 import h5py
 
@@ -20,6 +21,7 @@ from .errors import InvalidArgumentError, StorageError
 
 __all__ = [
     "WRITEBACK_BYTES",
+    "CreateAhead",
     "Writeback",
     "atomic_write_json",
     "check_max_open_files",
@@ -90,6 +92,54 @@ def publish(pairs: list[tuple[Path, Path]], fsync: bool) -> None:
     if fsync:
         for d in {final.parent for _, final in pairs}:
             fsync_dir(d)
+
+
+class CreateAhead:
+    """Creates empty files on a thread of its own, ahead of the thread that will write them.
+
+    Creating a file is kernel work that does not need the GIL nor HDF5's lock, and it can cost
+    far more than writing a small file's bytes (measured on ext4 under churn: ~1 ms per file, of
+    which ~0.6 ms CPU, against ~0.1 ms to write a 44 KB handle file's bytes). Sealing a flush of
+    a thousand handles whose parts have no file yet creates them here while the writer thread
+    does the HDF5 work of the ones before.
+
+    A file is created only where nothing is (``O_CREAT | O_EXCL``): one the writer already made
+    (or a symlink left at the name) is never truncated or written through; the writer still
+    creates (truncating) every file itself, so a file made here is only ever the empty file the
+    writer would have started from. Failures are ignored (the writer meets them again and
+    reports them).
+
+    Args:
+        paths: the files, in the order the writer will want them.
+    """
+
+    def __init__(self, paths: Iterable[Path]) -> None:
+        self._paths = list(paths)
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="hookline-create-ahead", daemon=True)
+        try:
+            self._thread.start()
+        except RuntimeError:  # (no new threads at interpreter exit: the writer creates them)
+            self._thread = None
+
+    def _run(self) -> None:
+        made: set[Path] = set()
+        for path in self._paths:
+            if self._stop:
+                return
+            try:
+                if path.parent not in made:
+                    path.parent.mkdir(parents=True, exist_ok=True)
+                    made.add(path.parent)
+                os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666))
+            except OSError:
+                pass
+
+    def stop(self) -> None:
+        """Stop creating and wait for the thread (no file is created after this returns)."""
+        self._stop = True
+        if self._thread is not None:
+            self._thread.join()
 
 
 # --- the run lock --------------------------------------------------------------------------------

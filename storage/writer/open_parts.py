@@ -14,7 +14,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Iterable
 
-from .._fs import fsync_dir, fsync_file, publish
+from .._fs import CreateAhead, fsync_dir, fsync_file, publish
 from .._h5write import HandleFileWriter
 from .._parts import PartEntry
 from ..budget import Budget
@@ -86,7 +86,14 @@ class OpenParts:
             self._publish([(h, part)], fsync)
 
     def seal_all(self, handles: Iterable[WriterHandle], fsync: bool) -> None:
-        """Seal every open part (a flush). Parts finished before a failure are still published."""
+        """Seal every open part (a flush). Parts finished before a failure are still published.
+
+        With many parts, their files are created ahead on another thread (:class:`CreateAhead`):
+        the parts beyond ``max_open_files`` have none yet (see :meth:`part_for`)."""
+        handles = list(handles)
+        ahead = None
+        if len(self.active) >= CREATE_AHEAD_MIN:
+            ahead = CreateAhead(h.part.partial for h in handles if h.part is not None)
         done: list[tuple[WriterHandle, OpenPart]] = []
         try:
             for h in handles:
@@ -94,6 +101,8 @@ class OpenParts:
                 if part is not None:
                     done.append((h, part))
         finally:
+            if ahead is not None:
+                ahead.stop()
             if done:
                 self._publish(done, fsync)
 
@@ -133,6 +142,8 @@ class OpenParts:
         return finals
 
 
+#: Fewest open parts whose flush creates their files ahead (:class:`~.._fs.CreateAhead`).
+CREATE_AHEAD_MIN = 16
 #: Threads that fsync the files of one flush at once (fsync waits for the disk, not the CPU).
 FSYNC_THREADS = 16
 
