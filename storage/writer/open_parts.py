@@ -61,11 +61,13 @@ class OpenParts:
 
     def has_staged(self) -> bool:
         """Whether any open part holds staged bytes."""
-        return any(h.part.staged_bytes() for h in self.active.values())
+        return self.ctx.tools.staged > 0
 
     def relieve_memory(self, budget: Budget, waiting: bool) -> None:
         """Write partial chunks when staged data would starve the budget (above
         :attr:`Budget.staged_high`, down to :attr:`Budget.staged_low`) or a caller waits for room."""
+        if not waiting and self.ctx.tools.staged <= budget.staged_high:
+            return  # (checked per batch: O(1), not a walk over every handle's fields)
         staged = [(sf.staged_bytes, h.part, sf) for h in self.active.values()
                   for sf in h.part.fields.values() if sf.staged_bytes]
         total = sum(s[0] for s in staged)

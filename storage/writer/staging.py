@@ -94,12 +94,15 @@ class PartTools:
         files: the open-file limit of the parts (:class:`FileSlots`).
         scratch: the assembly buffer.
         current: the file the writer thread works on now, named by a failure's message.
+        staged: bytes staged and not yet written, over every open part (kept as they change,
+            so the writer checks its memory per batch in O(1), not by a walk over every handle).
     """
 
     release: Callable[[int], None]
     files: FileSlots = field(default_factory=lambda: FileSlots(64))
     scratch: Scratch = field(default_factory=Scratch)
     current: Path | None = None
+    staged: int = 0
 
 
 class StagedField:
@@ -263,6 +266,7 @@ class OpenPart:
             sf.arrays.append(run)
             sf.staged_items += k
             sf.staged_bytes += run.nbytes
+            self.tools.staged += run.nbytes
             if sf.out is None or sf.chunk_items == 1:
                 if sf.batch_due():
                     self.write_out(sf, full_only=True)
@@ -305,6 +309,7 @@ class OpenPart:
             sf.arrays.append(arr)  # a run of k records, written (or split) by _write_items
             sf.staged_items += k
         sf.staged_bytes += arr.nbytes
+        self.tools.staged += arr.nbytes
 
     def _ensure_out(self, sf: StagedField) -> FieldOut:
         """The field's dataset, created on first use with chunks sized for what is staged."""
@@ -362,6 +367,7 @@ class OpenPart:
         sf.staged_items -= k
         sf.written_items += k
         sf.staged_bytes -= released
+        self.tools.staged -= released
         self.tools.release(released)
 
     def finish(self) -> None:
@@ -386,6 +392,7 @@ class OpenPart:
 
     def abort(self) -> None:
         """Close the file without finishing it (after a failure; it stays ``.partial``)."""
+        self.tools.staged -= self.staged_bytes()
         self.tools.files.release(self)
         if self._file is not None:
             self._file.abort()
