@@ -290,6 +290,42 @@ def test_the_writer_counts_its_staged_bytes_as_they_change(tmp_path):
             np.testing.assert_array_equal(run[f"h{i}"]["x"].read(), np.stack([x[i] for x in xs]))
 
 
+def test_a_shared_blocks_lent_copy_counts_against_the_budget_until_its_last_row_is_written(tmp_path):
+    """A shared block's rows are staged as views of one copy of them: the copy's bytes stay
+    counted against the budget until its last row is written (its memory is freed only then),
+    so a block that would fit if they returned row by row is refused (policy "drop"); once
+    the last row is written, they return. Every record reads back."""
+    d = tmp_path / "r"
+    ids = ["a", "b", "c"]
+    x0 = np.arange(3 * 1024, dtype=np.float32).reshape(3, 1024)  # 4 KiB records
+    x1 = -x0
+    row = x0.nbytes // 3
+    with RunWriter(d, max_buffer_mb=1, policy="drop", fsync=False) as w:
+        for h in ids:
+            w.add_handle(h)
+        w.flush()  # (the handles are started)
+        th, q = w._thread, w._queue
+        tools = th.ctx.tools
+        hs = [w._handles[h] for h in ids]
+        with q.cond:  # the writer thread waits for the lock: this thread stages, as it would
+            for s, x in enumerate((x0, x1)):
+                q.pending += x.nbytes  # (what write_rows would have charged)
+                th._stage(Record(hs[0], [s] * 3, [0] * 3, {"x": (x, "float32")}, x.nbytes, hs))
+            assert tools.lent == x1.nbytes  # step 0 made the parts' fields; step 1 went lean: one copy
+            for h in hs[:2]:  # a's and b's records are written; c's row holds the copy
+                h.part.write_out(h.part.fields["x"], full_only=False)
+            assert q.pending == tools.held == row + x1.nbytes  # c's first record + the whole copy
+            fits_row_by_row = q._max_bytes - 2 * row  # c's two records: what per-row release would leave
+            assert not w.make_room("a", fits_row_by_row)  # refused: the copy is still in memory
+            hs[2].part.write_out(hs[2].part.fields["x"], full_only=False)
+            assert q.pending == tools.lent == tools.held == 0
+            assert w.make_room("a", fits_row_by_row)
+        assert w.stats().handles["a"].dropped == 1
+    with open_run(d) as run:
+        for i, h in enumerate(ids):
+            np.testing.assert_array_equal(run[h]["x"].read(), np.stack([x0[i], x1[i]]))
+
+
 #: Handles of the writer-level scale test: 3,000 keeps it near a minute on 2 cores (each handle
 #: costs its file's HDF5 work at close); HOOKLINE_SCALE_HANDLES=10000 checks the documented limit.
 SCALE_HANDLES = int(os.environ.get("HOOKLINE_SCALE_HANDLES", "3000"))
