@@ -257,6 +257,23 @@ def test_write_rows_lean_path_keeps_records_order_dtypes_and_steps(tmp_path):
                 np.testing.assert_array_equal(back.view(torch.int16).numpy(), v[4])
 
 
+def _started(w, ids):
+    """Declare handles ``ids`` and wait until the writer thread started them; returns its thread,
+    queue, part tools and the handles."""
+    for h in ids:
+        w.add_handle(h)
+    w.flush()
+    return w._thread, w._queue, w._thread.ctx.tools, [w._handles[h] for h in ids]
+
+
+def _stage_as_the_writer(w, hs, step, x):
+    """Stage a block of records ``x`` (row ``j`` of ``hs[j]``, field ``x``) as the writer thread
+    would, charged as ``write_rows`` charges it. The caller holds the queue's lock (the writer
+    thread waits for it meanwhile)."""
+    w._queue.pending += x.nbytes
+    w._thread._stage(Record(hs[0], [step] * len(hs), [0] * len(hs), {"x": (x, "float32")}, x.nbytes, hs))
+
+
 def test_the_writer_counts_its_staged_bytes_as_they_change(tmp_path):
     """The writer checks its staged memory once per batch from a running count (a walk over
     every handle's fields cost the writer thread ~20% of its time at 5,000 handles): the count
@@ -267,17 +284,11 @@ def test_the_writer_counts_its_staged_bytes_as_they_change(tmp_path):
     rng = np.random.default_rng(0)
     xs = [rng.standard_normal((300, 1024)).astype(np.float32) for _ in range(6)]  # 4 KiB records
     with RunWriter(d, max_buffer_mb=8, fsync=False) as w:  # writes partial chunks above 4 MB staged
-        for h in ids:
-            w.add_handle(h)
-        w.flush()  # (the handles are started)
-        th, q = w._thread, w._queue
-        tools = th.ctx.tools
-        hs = [w._handles[h] for h in ids]
+        th, q, tools, hs = _started(w, ids)
         counts = []
-        with q.cond:  # the writer thread waits for the lock: this thread stages, as it would
+        with q.cond:
             for s, x in enumerate(xs):
-                q.pending += x.nbytes  # (what write_rows would have charged)
-                th._stage(Record(hs[0], [s] * 300, [0] * 300, {"x": (x, "float32")}, x.nbytes, hs))
+                _stage_as_the_writer(w, hs, s, x)
                 assert tools.staged == sum(h.part.staged_bytes() for h in th.parts.active.values()) > 0
                 th.parts.relieve_memory(th.budget, waiting=False)
                 assert tools.staged == sum(h.part.staged_bytes() for h in th.parts.active.values())
@@ -301,16 +312,10 @@ def test_a_shared_blocks_lent_copy_counts_against_the_budget_until_its_last_row_
     x1 = -x0
     row = x0.nbytes // 3
     with RunWriter(d, max_buffer_mb=1, policy="drop", fsync=False) as w:
-        for h in ids:
-            w.add_handle(h)
-        w.flush()  # (the handles are started)
-        th, q = w._thread, w._queue
-        tools = th.ctx.tools
-        hs = [w._handles[h] for h in ids]
-        with q.cond:  # the writer thread waits for the lock: this thread stages, as it would
+        th, q, tools, hs = _started(w, ids)
+        with q.cond:
             for s, x in enumerate((x0, x1)):
-                q.pending += x.nbytes  # (what write_rows would have charged)
-                th._stage(Record(hs[0], [s] * 3, [0] * 3, {"x": (x, "float32")}, x.nbytes, hs))
+                _stage_as_the_writer(w, hs, s, x)
             assert tools.lent == x1.nbytes  # step 0 made the parts' fields; step 1 went lean: one copy
             for h in hs[:2]:  # a's and b's records are written; c's row holds the copy
                 h.part.write_out(h.part.fields["x"], full_only=False)
