@@ -115,8 +115,11 @@ class PartTools:
     def lend(self, copy: np.ndarray) -> None:
         """``copy`` (a shared block's rows, copied once) is held by the views staged from it: its
         bytes stay counted against the budget until the last view is gone."""
+        owner = copy  # (views chain to the array that owns the memory: it goes last)
+        while isinstance(owner.base, np.ndarray):
+            owner = owner.base
         self.lent += copy.nbytes
-        weakref.finalize(copy, self._repay, copy.nbytes)
+        weakref.finalize(owner, self._repay, copy.nbytes)
 
     def _repay(self, nbytes: int) -> None:
         self.lent -= nbytes
