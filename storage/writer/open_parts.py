@@ -61,22 +61,23 @@ class OpenParts:
 
     def has_staged(self) -> bool:
         """Whether any open part holds staged bytes."""
-        return any(h.part.staged_bytes() for h in self.active.values())
+        return self.ctx.tools.staged > 0
 
     def relieve_memory(self, budget: Budget, waiting: bool) -> None:
-        """Write partial chunks when staged data would starve the budget (above
-        :attr:`Budget.staged_high`, down to :attr:`Budget.staged_low`) or a caller waits for room."""
+        """Write partial chunks when staged records hold too much memory (above
+        :attr:`Budget.staged_high`, down to :attr:`Budget.staged_low`) or a caller waits for
+        room. Fields with rows of lent copies go first (a copy's memory goes with its last
+        row), then the biggest."""
+        tools = self.ctx.tools
+        if not tools.staged or (not waiting and tools.held <= budget.staged_high):
+            return  # (checked per batch: O(1), not a walk over every handle's fields)
         staged = [(sf.staged_bytes, h.part, sf) for h in self.active.values()
                   for sf in h.part.fields.values() if sf.staged_bytes]
-        total = sum(s[0] for s in staged)
-        if not waiting and total <= budget.staged_high:
-            return
-        staged.sort(key=lambda s: -s[0])
-        for nb, part, sf in staged:
-            if total <= budget.staged_low and not waiting:
+        staged.sort(key=lambda s: (not s[2].lent_items, -s[0]))
+        for _, part, sf in staged:
+            if not waiting and tools.held <= budget.staged_low:
                 break
             part.write_out(sf, full_only=False)
-            total -= nb
 
     # --- sealing ----------------------------------------------------------------------------------
     def seal(self, h: WriterHandle, fsync: bool) -> None:

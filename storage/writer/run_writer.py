@@ -312,19 +312,35 @@ class RunWriter:
             raise InvalidArgumentError(f"write_rows: handle_ids must be a non-empty list of handle ids, "
                                        f"got {handle_ids!r:.80}")
         k = len(handle_ids)
-        hs = {hid: self._open_handle(hid) for hid in dict.fromkeys(handle_ids)}
+        first = self._open_handle(handle_ids[0])  # (closed or failed: raised here, once)
+        known = self._handles
+        try:
+            rows = [known[hid] for hid in handle_ids]
+        except (KeyError, TypeError):  # (an unhashable id: the error _open_handle gives)
+            for hid in handle_ids:
+                self._open_handle(hid)
+            raise
         steps, calls = self._block_steps(handle_ids[0], steps, calls)
         if len(steps) != k:
             raise InvalidArgumentError(f"write_rows: {k} handle ids but {len(steps)} steps; give one per record")
-        first, *others = hs.values()
         checked, new, nbytes = checked_fields(first, fields, k)
         news = [(first, new)]
-        for h in others:  # the arrays were checked once; each handle checks its field registry
-            news.append((h, [NewField(n, dn, a.ndim - 1) for n, (a, dn) in checked.items()
-                             if h.check_field(n, dn, a.shape[1:])]))
+        # The arrays were checked once; each other handle checks its field registry. A handle
+        # that knows every field with this dtype and ndim (every record of a run but its first)
+        # costs a few lookups: this loop runs per record of a shared block.
+        layout = [(n, dn, a.ndim - 1, a.shape[1:]) for n, (a, dn) in checked.items()]
+        for h in dict.fromkeys(rows):
+            if h is first:
+                continue
+            fd, fn, kn = h.field_dtype, h.field_ndim, h.known
+            for n, dn, nd, _ in layout:
+                if n not in kn or fd[n] != dn or fn.get(n) != nd:
+                    break
+            else:
+                continue
+            news.append((h, [NewField(n, dn, nd) for n, dn, nd, shape in layout if h.check_field(n, dn, shape)]))
         for h, new in news:
             h.register_fields(new, self._queue.cond)
-        rows = [hs[hid] for hid in handle_ids]
         return self._queue.put_record(Record(first, steps, calls, checked, nbytes, rows), self._thread.is_alive)
 
     def make_room(self, handle_id: str, nbytes: int) -> bool:

@@ -8,10 +8,11 @@ records of one chunk each), so the training thread's GIL is handed over per chun
 from __future__ import annotations
 
 import math
+import weakref
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 
@@ -19,7 +20,7 @@ from .._h5write import FieldOut, FieldSpec, HandleFileWriter
 from .norms import l2, row_norms
 from .stats import WriterStats
 
-__all__ = ["FileSlots", "OpenPart", "PartTools", "Scratch", "StagedField"]
+__all__ = ["FileSlots", "OpenPart", "PartTools", "Scratch", "StagedField", "take_shared_rows"]
 
 #: Largest block assembled in memory for one write (bounds the scratch buffer).
 PIECE_BYTES = 8 << 20
@@ -94,24 +95,56 @@ class PartTools:
         files: the open-file limit of the parts (:class:`FileSlots`).
         scratch: the assembly buffer.
         current: the file the writer thread works on now, named by a failure's message.
+        staged: bytes staged and not yet written, over every open part (kept as they change,
+            so the writer checks its memory per batch in O(1), not by a walk over every handle).
+        lent: bytes of the copies of shared blocks (:func:`take_shared_rows`) still in memory:
+            their rows are staged as views, so a copy's bytes return to the budget when its last
+            row is written (its memory is freed then), not row by row.
+        lent_staged: bytes of those rows still staged (so ``lent - lent_staged`` is memory held
+            by copies beyond their unwritten rows).
     """
 
     release: Callable[[int], None]
     files: FileSlots = field(default_factory=lambda: FileSlots(64))
     scratch: Scratch = field(default_factory=Scratch)
     current: Path | None = None
+    staged: int = 0
+    lent: int = 0
+    lent_staged: int = 0
+
+    def lend(self, copy: np.ndarray) -> None:
+        """``copy`` (a shared block's rows, copied once) is held by the views staged from it: its
+        bytes stay counted against the budget until the last view is gone."""
+        owner = copy  # (views chain to the array that owns the memory: it goes last)
+        while isinstance(owner.base, np.ndarray):
+            owner = owner.base
+        self.lent += copy.nbytes
+        weakref.finalize(owner, self._repay, copy.nbytes)
+
+    def _repay(self, nbytes: int) -> None:
+        self.lent -= nbytes
+        self.release(nbytes)
+
+    @property
+    def held(self) -> int:
+        """Memory the staged records hold: staged bytes, plus lent copies' bytes beyond their
+        staged rows (a copy stays whole until its last row is written)."""
+        return self.staged + self.lent - self.lent_staged
 
 
 class StagedField:
     """A field's records in the open part that are not yet written to HDF5."""
 
-    __slots__ = ("spec", "out", "arrays", "staged_items", "staged_bytes", "written_items",
+    __slots__ = ("spec", "out", "arrays", "lent", "lent_items", "staged_items", "staged_bytes", "written_items",
                  "records", "norms", "offsets", "shapes", "item_bytes", "chunk_items")
 
     def __init__(self, spec: FieldSpec) -> None:
         self.spec = spec
         self.out: FieldOut | None = None
         self.arrays: deque[np.ndarray] = deque()  # runs: (m, *shape) fixed, flat 1-D ragged
+        # Per run: whether it views a lent copy (its bytes are repaid with the copy, not when written).
+        self.lent: deque[bool] = deque()
+        self.lent_items = 0
         self.staged_items = 0  # records (fixed) or elements (ragged) staged
         self.staged_bytes = 0
         self.written_items = 0
@@ -155,7 +188,7 @@ class OpenPart:
         self.steps: list[int] = []
         self.calls: list[int] = []
         self.fields: dict[str, StagedField] = {}
-        self._lean: dict[tuple, list[tuple[StagedField, np.dtype | None]]] = {}  # see take_rows
+        self._lean: dict[tuple, list[tuple[StagedField, np.dtype | None]]] = {}  # see lean_fields
 
     def file(self) -> HandleFileWriter:
         """The part's file, open: created, or reopened if parked (within the open-file limit)."""
@@ -222,26 +255,21 @@ class OpenPart:
             elif sf.chunk_full():
                 self.write_out(sf, full_only=True)
 
-    def take_rows(self, sig: tuple, arrs: list[np.ndarray], idx: list[int], steps: list[int],
-                  calls: list[int]) -> bool:
-        """Stage rows ``idx`` of a block of several handles' records (copied out), when this part
-        already holds each of its fields with that shape and dtype (else False, nothing staged:
-        the caller goes the general way). The lean path of a shared block's records, one or two
-        per handle, run by the writer thread (which holds the GIL meanwhile): the fields' checks
-        are made once per part and layout (:meth:`_lean_fields`), so a record costs a row copy
-        and a few list appends.
+    def take_lent(self, lean: list[tuple[StagedField, np.dtype | None]], copies: list[np.ndarray], pos: int,
+                  idx: list[int], steps: list[int], calls: list[int]) -> None:
+        """Stage rows ``idx`` of a block of several handles' records as views of the block's lent
+        copies (rows ``pos`` to ``pos + len(idx)``): the lean path of a shared block's records,
+        one or two per handle, run by the writer thread (which holds the GIL meanwhile). The
+        fields' checks are made once per part and layout (:meth:`lean_fields`), so a record
+        costs a view and a few list appends.
 
         Args:
-            sig: the block's layout, ``((name, dtype name, numpy dtype, record shape), ...)``.
-            arrs: the block's arrays, one per entry of ``sig``.
-            idx: this handle's rows, in block order.
+            lean: :meth:`lean_fields` of the block's layout.
+            copies: the block's lent copies (:meth:`PartTools.lend`), one per field.
+            pos: where this handle's rows start in the copies.
+            idx: this handle's rows in the block, in block order.
             steps, calls: the whole block's.
         """
-        lean = self._lean.get(sig)
-        if lean is None:
-            lean = self._lean_fields(sig)
-            if lean is None:
-                return False
         first = self.start + len(self.steps)
         k = len(idx)
         if k == 1:
@@ -251,24 +279,38 @@ class OpenPart:
         else:
             self.steps.extend([steps[i] for i in idx])
             self.calls.extend([calls[i] for i in idx])
-        for (sf, view), arr in zip(lean, arrs):
+        tools = self.tools
+        for (sf, view), copy in zip(lean, copies):
+            run = copy[pos : pos + k]
             if k == 1:
-                run = arr[i : i + 1].copy()
                 sf.records.append(first)
             else:
-                run = arr[idx]
                 sf.records.extend(range(first, first + k))
             if view is not None:
                 run = run.view(view)
             sf.arrays.append(run)
+            sf.lent.append(True)
+            sf.lent_items += k
             sf.staged_items += k
-            sf.staged_bytes += run.nbytes
+            nbytes = run.nbytes
+            sf.staged_bytes += nbytes
+            tools.staged += nbytes
+            tools.lent_staged += nbytes
             if sf.out is None or sf.chunk_items == 1:
                 if sf.batch_due():
                     self.write_out(sf, full_only=True)
             elif sf.chunk_full():
                 self.write_out(sf, full_only=True)
-        return True
+
+    def lean_fields(self, sig: tuple) -> list[tuple[StagedField, np.dtype | None]] | None:
+        """The staged fields a block of layout ``sig`` (``((name, dtype name, numpy dtype,
+        record shape), ...)``) goes to, each with the dtype its rows are viewed as (None: as
+        they are); None when a field is new, ragged or of another shape or dtype here (the
+        block's rows then go the general way)."""
+        lean = self._lean.get(sig)
+        if lean is None:
+            lean = self._lean_fields(sig)
+        return lean
 
     def _lean_fields(self, sig: tuple) -> list[tuple[StagedField, np.dtype | None]] | None:
         """The staged fields a block of layout ``sig`` goes to, each with the dtype its rows are
@@ -300,11 +342,14 @@ class OpenPart:
                 sf.shapes.append(one.shape)
                 flat = one.reshape(-1)
                 sf.arrays.append(flat)
+                sf.lent.append(False)
                 sf.staged_items += flat.size
         else:
             sf.arrays.append(arr)  # a run of k records, written (or split) by _write_items
+            sf.lent.append(False)
             sf.staged_items += k
         sf.staged_bytes += arr.nbytes
+        self.tools.staged += arr.nbytes
 
     def _ensure_out(self, sf: StagedField) -> FieldOut:
         """The field's dataset, created on first use with chunks sized for what is staged."""
@@ -338,7 +383,7 @@ class OpenPart:
         out = self._ensure_out(sf)
         self.file()  # (open: a parked file is reopened)
         self.tools.current = self.partial
-        runs = _take(sf.arrays, k)
+        runs, lent = _take(sf, k)
         block = None
         if not spec.ragged and out.direct and sf.chunk_items == 1:
             if spec.info.has_norm:
@@ -358,11 +403,16 @@ class OpenPart:
                 sf.norms.extend(row_norms(block, spec.dtype_name))
             out.append(block)
         del runs, block  # the records' memory goes before their bytes return to the budget
-        released = k * sf.item_bytes
+        written = k * sf.item_bytes
         sf.staged_items -= k
         sf.written_items += k
-        sf.staged_bytes -= released
-        self.tools.release(released)
+        sf.staged_bytes -= written
+        tools = self.tools
+        tools.staged -= written
+        if lent:  # (their bytes return with their copy, once its last row is written)
+            sf.lent_items -= lent
+            tools.lent_staged -= lent * sf.item_bytes
+        tools.release(written - lent * sf.item_bytes)
 
     def finish(self) -> None:
         """Write everything staged and every index; close the file (still ``.partial``)."""
@@ -386,22 +436,76 @@ class OpenPart:
 
     def abort(self) -> None:
         """Close the file without finishing it (after a failure; it stays ``.partial``)."""
+        self.tools.staged -= self.staged_bytes()
+        self.tools.lent_staged -= sum(sf.lent_items * sf.item_bytes for sf in self.fields.values())
         self.tools.files.release(self)
         if self._file is not None:
             self._file.abort()
 
 
-def _take(runs: deque[np.ndarray], k: int) -> list[np.ndarray]:
-    """Pop the first ``k`` items (along axis 0) off a deque of staged runs, splitting a run
-    when needed; returns the pieces in order."""
+def _take(sf: StagedField, k: int) -> tuple[list[np.ndarray], int]:
+    """Pop the first ``k`` items (along axis 0) off a field's staged runs, splitting a run when
+    needed; returns the pieces in order, and how many of the items view lent copies."""
+    runs, lent = sf.arrays, sf.lent
     pieces = []
+    n_lent = 0
     while k:
         a = runs[0]
         if len(a) <= k:
             pieces.append(runs.popleft())
+            if lent.popleft():
+                n_lent += len(a)
             k -= len(a)
         else:
             pieces.append(a[:k])
             runs[0] = a[k:]
+            if lent[0]:
+                n_lent += k
             k = 0
-    return pieces
+    return pieces, n_lent
+
+
+def take_shared_rows(groups: dict[Any, list[int]], sig: tuple, arrs: list[np.ndarray], steps: list[int],
+                     calls: list[int]) -> set[Any]:
+    """Stage the rows of a shared block (records of several handles, in ``arrs``) of every
+    handle whose open part already holds the block's fields (:meth:`OpenPart.lean_fields`).
+
+    Their rows are copied once, in one call per field (into fresh memory: one large copy, not
+    one small allocation and copy per record, which cost the writer thread ~3 us a record at
+    5,000 handles), and each handle's part stages views of its rows. The copy is lent
+    (:meth:`PartTools.lend`): its bytes stay counted against the budget until its last row is
+    written.
+
+    Args:
+        groups: handle -> its rows in the block, in block order; a handle has ``part`` (its
+            :class:`OpenPart` or None).
+        sig: the block's layout, ``((name, dtype name, numpy dtype, record shape), ...)``.
+        arrs: the block's arrays, one per entry of ``sig``.
+        steps, calls: the block's.
+
+    Returns:
+        The handles whose rows were staged (the others go the general way).
+    """
+    lean = []
+    taken = set()
+    order: list[int] = []
+    for h, idx in groups.items():
+        part = h.part
+        if part is not None:
+            fields = part.lean_fields(sig)
+            if fields is not None:
+                lean.append((part, fields, idx))
+                taken.add(h)
+                order += idx
+    if not lean:
+        return taken
+    whole = len(order) == len(arrs[0]) and order == list(range(len(order)))
+    copies = [arr.copy() if whole else arr[order] for arr in arrs]
+    tools = lean[0][0].tools
+    for copy in copies:
+        tools.lend(copy)
+    pos = 0
+    for part, fields, idx in lean:
+        part.take_lent(fields, copies, pos, idx, steps, calls)
+        pos += len(idx)
+    return taken

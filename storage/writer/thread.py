@@ -25,6 +25,7 @@ from .manifest import ManifestWriter
 from .merging import Compactor, finalize
 from .queue import Close, Control, Flush, Message, NewHandle, Record, WriteQueue
 from .open_parts import OpenParts
+from .staging import take_shared_rows
 from .stats import WriterStats
 
 __all__ = ["WriterThread"]
@@ -196,9 +197,9 @@ class WriterThread:
         items = list(fields.items())
         arrs = [arr for _, (arr, _) in items]
         sig = tuple((name, dn, arr.dtype, arr.shape[1:]) for name, (arr, dn) in items)
+        lean = take_shared_rows(groups, sig, arrs, steps, calls)
         for h, idx in groups.items():
-            part = h.part
-            if part is not None and part.take_rows(sig, arrs, idx, steps, calls):
+            if h in lean:
                 h.next_record += len(idx)
                 h.written_bytes += per * len(idx)
                 if len(idx) == 1:  # (note_steps, without a list per record)

@@ -54,6 +54,39 @@ def test_handles_without_a_chunk_each_share_blocks_in_record_order():
     assert sorted(sink.checks) == sorted([f"h{h}" for h in range(n)] + ["odd"])  # once per handle layout
 
 
+def test_a_handle_of_shared_blocks_changes_layout_and_keeps_its_record_order():
+    """A handle of shared blocks whose record shape changes leaves its layout's blocks (and
+    after two changes gets blocks of its own); the others go on sharing; every handle's records
+    reach the writer in step order with their values."""
+    handed: list[tuple[list[str], list[int], np.ndarray]] = []  # in the order the writer gets them
+
+    def write_block(hid, steps, calls, fields):
+        handed.append(([hid] * len(steps), list(steps), np.array(fields["outputs.0"])))
+        return True
+
+    def write_rows(hids, steps, calls, fields):
+        handed.append((list(hids), list(steps), np.array(fields["outputs.0"])))
+        return True
+
+    packer = BlockPacker(write_block, BufferPool(), max_open_bytes=64 << 20, write_rows=write_rows)
+    n = 200
+    packer.handles = n
+    for step in range(5):
+        for h in range(n):
+            shape = (16, 32) if (h == 5 and step in (1, 3)) else (16, 64)
+            packer.add(f"h{h}", step, 0, ["outputs.0"], [torch.full(shape, float(h * 10 + step))])
+    packer.drain()
+    got: dict[str, list[tuple[int, tuple, float]]] = {}
+    for hids, steps, values in handed:
+        for j, hid in enumerate(hids):
+            got.setdefault(hid, []).append((steps[j], values[j].shape, float(values[j][0, 0])))
+    wide, narrow = (16, 64), (16, 32)
+    assert got["h5"] == [(0, wide, 50.0), (1, narrow, 51.0), (2, wide, 52.0), (3, narrow, 53.0), (4, wide, 54.0)]
+    assert all(got[f"h{h}"] == [(s, wide, float(h * 10 + s)) for s in range(5)] for h in range(n) if h != 5)
+    assert any(len(set(hids)) > 1 for hids, _, _ in handed)  # the others share blocks throughout
+    assert [hids for hids, _, _ in handed if "h5" in hids][-1] == ["h5"]  # h5 ended in blocks of its own
+
+
 def test_a_recorder_with_128_hooked_modules_hands_over_full_shared_blocks(tmp_path):
     """128 Linear(64) modules, 4 KiB records: the open-block budget (64 MB) cannot give 128
     handles a 1 MiB block each. The packer used to hand every record over in a block of its own

@@ -87,6 +87,20 @@ class _Block:
         return True
 
 
+class _Lane:
+    """Shared blocks of one record layout: the one being filled (None between blocks) and what a
+    new one is made of. A handle of shared blocks keeps its lane, so its next record finds the
+    block without hashing the layout."""
+
+    __slots__ = ("sig", "block", "dtypes", "record_bytes")
+
+    def __init__(self, sig: tuple, dtypes: list[torch.dtype], record_bytes: int) -> None:
+        self.sig = sig
+        self.block: _Block | None = None
+        self.dtypes = dtypes
+        self.record_bytes = record_bytes
+
+
 class BlockPacker:
     """Per-handle blocks of captured records, handed to the writer when full (or on demand).
 
@@ -141,14 +155,13 @@ class BlockPacker:
         self.max_age_s = max_age_s
         self._event_factory = event_factory or (lambda: torch.cuda.Event())
         self._open: dict[str, _Block] = {}  # handle -> the block its next record goes to
-        self._shared: dict[tuple, _Block] = {}  # layout -> the shared block being filled
         self._open_bytes = 0
         self._oldest: float | None = None
         self._changes: dict[str, int] = {}
         self._checked: dict[str, tuple] = {}  # handle -> the record layout check_fields accepted last
-        # Handles of shared blocks: their layout, and each layout's (storage dtypes, record bytes).
-        self._member_of: dict[str, tuple] = {}
-        self._shared_spec: dict[tuple, tuple[list[torch.dtype], int]] = {}
+        # Shared blocks: each layout's lane, and the lane of each handle whose records go there.
+        self._lanes: dict[tuple, _Lane] = {}
+        self._member_of: dict[str, _Lane] = {}
         self._last_sig: dict[str, tuple[Any, int]] = {}  # ragged handles: last signature, repeats
         # Blocks handed over but waiting for device copies (or behind such a block: order kept).
         self._pending: deque[tuple[str, _Block]] = deque()
@@ -193,9 +206,14 @@ class BlockPacker:
             raise WriterClosedError(
                 f"{handle_id} fired while its recorder was closing; the record was not taken")
         blk = self._open.get(handle_id)
-        if blk is None and handle_id in self._member_of:
-            blk = self._rejoin(handle_id, names, tensors, cast, stats)
-        if blk is None or not blk.matches(names, tensors):
+        if blk is None:
+            # A handle of shared blocks (the hot path of many handles): _rejoin checks the layout.
+            if handle_id in self._member_of:
+                blk = self._rejoin(handle_id, names, tensors, cast, stats)
+            fits = blk is not None
+        else:
+            fits = blk.matches(names, tensors)
+        if not fits:
             sig = (tuple(names), tuple((t.shape, t.dtype, t.is_cuda) for t in tensors), cast, stats)
             # Before anything changes (refused means untouched); once per layout of a handle, not
             # per block (a handle of a shared block starts a new block every few records).
@@ -246,8 +264,11 @@ class BlockPacker:
         else:
             cap = self._block_records(max(1, record_bytes))
             if cap == 0:
-                return self._join_shared(handle_id, (tuple(names), tuple(srcs), cast, stats), tensors,
-                                         dtypes, max(1, record_bytes))
+                sig = (tuple(names), tuple(srcs), cast, stats)
+                lane = self._lanes.get(sig)
+                if lane is None:
+                    lane = self._lanes[sig] = _Lane(sig, dtypes, max(1, record_bytes))
+                return self._join_shared(handle_id, lane, tensors)
         nbytes = cap * record_bytes
         if nbytes > self.max_open_bytes and self._make_room is not None:
             if not self._make_room(handle_id, nbytes):
@@ -274,14 +295,15 @@ class BlockPacker:
         """The shared block for a record of a handle whose last records went to shared blocks,
         if the record has their layout (the hot path of many handles: a shared block fills with
         records of hundreds of handles, so each starts a new block every record or two)."""
-        sig = self._member_of[handle_id]
+        lane = self._member_of[handle_id]
+        sig = lane.sig
         if sig[2] != cast or sig[3] != stats:
             return None
-        blk = self._shared.get(sig)
+        blk = lane.block
         if blk is None:
             if not self._matches_sig(sig, names, tensors):
                 return None
-            return self._join_shared(handle_id, sig, tensors, *self._shared_spec[sig])
+            return self._join_shared(handle_id, lane, tensors)
         if not blk.matches(names, tensors):
             return None
         blk.members.add(handle_id)
@@ -294,28 +316,28 @@ class BlockPacker:
             return False
         return all(t.shape == shape and t.dtype == dt and t.is_cuda == c for t, (shape, dt, c) in zip(tensors, sig[1]))
 
-    def _join_shared(self, handle_id: str, sig: tuple, tensors: list[torch.Tensor], dtypes: list[torch.dtype],
-                     record_bytes: int) -> _Block:
-        """The shared block of layout ``sig`` (opened if none is), as ``handle_id``'s open block.
+    def _join_shared(self, handle_id: str, lane: _Lane, tensors: list[torch.Tensor]) -> _Block:
+        """The shared block of ``lane``'s layout (opened if none is), as ``handle_id``'s open block.
 
         Per-handle blocks need a chunk's worth of records per handle to pay for themselves; with
         more handles than the open-block budget has chunks for, records of every handle with the
         same layout share blocks instead, so a record costs the same whatever the number of
         handles (the writer sorts the records into their handles' files)."""
-        self._member_of[handle_id] = sig
-        self._shared_spec.setdefault(sig, (dtypes, record_bytes))
-        blk = self._shared.get(sig)
+        self._member_of[handle_id] = lane
+        blk = lane.block
         if blk is not None:
             blk.members.add(handle_id)
             self._open[handle_id] = blk
             return blk
-        room = min(self.block_bytes, self.max_open_bytes // (2 * (len(self._shared) + 1)))
-        cap = max(1, min(BLOCK_MAX_RECORDS, room // record_bytes))
-        names, srcs, _, stats = sig
+        filling = sum(1 for other in self._lanes.values() if other.block is not None)
+        room = min(self.block_bytes, self.max_open_bytes // (2 * (filling + 1)))
+        cap = max(1, min(BLOCK_MAX_RECORDS, room // lane.record_bytes))
+        names, srcs, _, stats = lane.sig
         cuda = any(c for _, _, c in srcs)
-        blk = _Block(list(names), list(srcs), self._buffers(cap, tensors, dtypes, cuda), cap, cuda, stats, sig)
+        blk = _Block(list(names), list(srcs), self._buffers(cap, tensors, lane.dtypes, cuda), cap, cuda, stats,
+                     lane.sig)
         blk.members.add(handle_id)
-        self._shared[sig] = blk
+        lane.block = blk
         return self._open_block(handle_id, blk)
 
     def _block_records(self, record_bytes: int) -> int:
@@ -345,8 +367,9 @@ class BlockPacker:
         if blk.sig is not None:  # a shared block: the open block of every member
             for hid in blk.members:
                 self._open.pop(hid, None)
-            if self._shared.get(blk.sig) is blk:
-                del self._shared[blk.sig]
+            lane = self._lanes.get(blk.sig)
+            if lane is not None and lane.block is blk:
+                lane.block = None
         self._open_bytes -= blk.nbytes
         if not self._open:
             self._oldest = None
