@@ -82,6 +82,12 @@ class MlflowAdapter:
         """The :class:`mlflow.MlflowClient` (created on first use)."""
         return self._uploader.client
 
+    def prefetch(self) -> None:
+        """Start fetching the MLflow run for the next pass, which is about to come (e.g. before
+        the files of a closing run are finished); never raises, never blocks on the server."""
+        if not self._closed:
+            self._uploader.prefetch_run()
+
     def log_run_dir(self, run_dir: str | os.PathLike, *, artifacts: bool = True) -> SyncReport:
         """Synchronously sync a run directory to the run (files, tags, metrics, manifest).
 

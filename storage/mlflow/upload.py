@@ -29,6 +29,9 @@ a moment before its files are complete; a failed pass says so, and the next pass
 
 Every MLflow call is bounded by the time budget (:class:`~.client.CallBudget`).
 
+(~630 lines, kept in one file: the steps of a pass share its state and the ordering rules above,
+which one reader must be able to check in one place.)
+
 Idempotence: files are compared by size + SHA-256 against the sync record and skipped when
 equal; metric points carry deterministic timestamps (manifest creation time + record index), so a
 repeated point is identical and MLflow's SQL store drops it instead of storing a duplicate; the
@@ -70,9 +73,12 @@ from .runpage import handle_tags, norm_points
 from .syncstate import SyncState
 from .transfer import FileUpload, ParallelUploads
 
-__all__ = ["PassMode", "Uploader"]
+__all__ = ["PREFETCH_FRESH_S", "PassMode", "Uploader"]
 
 log = logging.getLogger("hookline.mlflow")
+
+#: Seconds a run fetched by :meth:`Uploader.prefetch_run` stays fresh enough for a pass to use.
+PREFETCH_FRESH_S = 10.0
 
 #: Metric points plus tags in one ``log_batch`` request (MLflow's limits: 1,000 entities, 100 tags).
 _ONE_REQUEST, _ONE_REQUEST_TAGS = 1000, 100
@@ -176,6 +182,7 @@ class Uploader:
         self._pass_lock = threading.Lock()
         self._hashes: dict[Path, tuple[tuple[int, int], str]] = {}  # file digests, by (size, mtime)
         self._run_now: Any = None  # the MLflow run as fetched by check_run(), for the next pass
+        self._prefetched: tuple[float, PendingCall] | None = None  # prefetch_run()'s call and its start
         self._down: tuple[float, TrackingUnreachableError] | None = None  # the server's last failure
         self.state: SyncState | None = None  # the run's sync record, read once (this uploader updates it)
 
@@ -210,13 +217,39 @@ class Uploader:
         if self._down is not None and time.monotonic() - self._down[0] < REACH_TIMEOUT_S:
             raise self._down[1]
 
+    def prefetch_run(self) -> None:
+        """Start fetching the MLflow run now, for the next pass to use (:meth:`start_fetch`).
+
+        ``Recorder.close()`` calls it before it closes its files: the server answers the pass's
+        ``get_run`` while the files are being finished, when it has nothing else to do. Never
+        raises: a failure (bad URI, server down) is the pass's to report, as without a prefetch.
+        A prefetch older than :data:`PREFETCH_FRESH_S` is not used.
+        """
+        if self._down is not None and time.monotonic() - self._down[0] < REACH_TIMEOUT_S:
+            return  # (the pass fails at once anyway)
+        try:
+            call = self._fetch(self.budget())
+        except Exception:  # noqa: BLE001 - reported by the pass, which connects again
+            return
+        with self._client_lock:
+            self._prefetched = (time.monotonic(), call)
+
     def start_fetch(self, budget: CallBudget) -> PendingCall:
-        """The MLflow run: the one :meth:`check_run` fetched just before, else fetched on a thread
-        by the pass's probe (:func:`~.client.get_run` with ``probe=True``: a failing server fails
-        in seconds, not after MLflow's minutes of retries) while the pass checks its files."""
+        """The MLflow run: the one :meth:`check_run` fetched just before, else the fetch that
+        :meth:`prefetch_run` started (if fresh), else fetched on a thread by the pass's probe
+        (:func:`~.client.get_run` with ``probe=True``: a failing server fails in seconds, not
+        after MLflow's minutes of retries) while the pass checks its files."""
         run, self._run_now = self._run_now, None
         if run is not None:
             return PendingCall.finished(budget, "get_run", run)
+        with self._client_lock:
+            ahead, self._prefetched = self._prefetched, None
+        if ahead is not None and time.monotonic() - ahead[0] < PREFETCH_FRESH_S:
+            return ahead[1]
+        return self._fetch(budget)
+
+    def _fetch(self, budget: CallBudget) -> PendingCall:
+        """``get_run`` (the probe) started on a thread."""
         # (the probe and MLflow's get_run are each bounded: this limit is a backstop behind both)
         limit = budget.seconds + min(REACH_TIMEOUT_S, budget.seconds) + 1
         return PendingCall(budget, "get_run", limit, get_run, (self.client, self.run_id, budget), {"probe": True})

@@ -808,3 +808,66 @@ def test_opening_a_run_from_mlflow_probes_with_its_get_run(mlflow_server_factory
     src = mlflow_source(f"runs:/{rid}", tracking_uri=server.uri, cache_dir=tmp_path / "cache")
     assert _requests(log, n) == ["GET /api/2.0/mlflow/runs/get"]
     assert [m["run_uuid"] for m in src.manifests()] == [json.loads((built.path / "manifest.json").read_text())["run_uuid"]]
+
+
+@pytest.mark.parametrize("fresh", [True, False])
+def test_a_prefetched_run_is_the_passs_only_get_run_while_fresh(mlflow_server_factory, tmp_path, monkeypatch, fresh):
+    """``prefetch()`` (Recorder.close() calls it before closing its files) sends the pass's
+    ``get_run`` ahead: the pass then sends none of its own. A prefetch older than
+    ``PREFETCH_FRESH_S`` is not used: the pass fetches the run again."""
+    from mlflow import MlflowClient
+
+    import hookline.storage.mlflow.upload as upload
+
+    if not fresh:
+        monkeypatch.setattr(upload, "PREFETCH_FRESH_S", 0.0)
+    server = mlflow_server_factory()
+    rid = MlflowClient(server.uri).create_run("0").info.run_id
+    built = build_run(tmp_path / "run", SPECS, records=3)
+    log = server.root / "server.log"
+    adapter = MlflowAdapter(rid, tracking_uri=server.uri)
+    n = _settled_lines(log)
+    adapter.prefetch()
+    assert _settled_lines(log) > n and _requests(log, n) == ["GET /api/2.0/mlflow/runs/get"]  # sent at once
+    rep = adapter.log_run_dir(built.path)
+    assert rep.ok and len(rep.uploaded) == len(SPECS) + 1, rep
+    gets = [r for r in _requests(log, n) if r.startswith("GET ")]
+    assert gets == ["GET /api/2.0/mlflow/runs/get"] * (1 if fresh else 2), gets
+    adapter.close()
+
+
+def test_recorder_close_fetches_its_run_once_before_its_files_are_closed(mlflow_server_factory, tmp_path,
+                                                                           monkeypatch):
+    """Recorder.close() starts the final pass's get_run before it closes its files (the server
+    answers it meanwhile); the pass uses that one."""
+    import torch
+    from mlflow import MlflowClient
+
+    from hookline.storage.writer import RunWriter
+    from hookline.tracker import HookManager, Recorder, select
+
+    server = mlflow_server_factory()
+    rid = MlflowClient(server.uri).create_run("0").info.run_id
+    log = server.root / "server.log"
+    seen: list[list[str]] = []
+    real_close = RunWriter.close
+
+    def close_and_look(self, *a, **k):  # (the requests sent by the time the files are closed:
+        try:                               # the final pass starts only after this returns)
+            return real_close(self, *a, **k)
+        finally:
+            seen.append(_requests(log, n))
+
+    monkeypatch.setattr(RunWriter, "close", close_and_look)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh(), torch.nn.Linear(3, 1))
+    rec = Recorder(tmp_path / "rec", mlflow_run_id=rid, tracking_uri=server.uri)
+    HookManager().register_forward_hook(rec.outputs, **select(model, "*", types=torch.nn.Linear))
+    for step in range(3):
+        with rec.step(step):
+            model(torch.randn(2, 4))
+    n = _settled_lines(log)
+    rec.close()
+    got = _requests(log, n)
+    assert [r for r in got if r.startswith("GET ")] == ["GET /api/2.0/mlflow/runs/get"], got
+    assert sum("manifest.json" in r for r in got) == 1, got
+    assert seen == [["GET /api/2.0/mlflow/runs/get"]], seen  # fetched while the files closed

@@ -355,6 +355,8 @@ class Recorder:
         # The recorder's hooks are useless once it is closed: remove them from their managers
         # so later forwards of the model neither pay for them nor fail.
         self._bindings.remove_all()
+        if self._mlflow is not None and failure is None:
+            self._mlflow.prefetch()  # (the server answers the final pass's get_run while the files close)
         try:
             self._writer.close()
         except BaseException as e:  # noqa: BLE001
