@@ -1,7 +1,7 @@
 """Benchmark: the CLI against MLflow, as ratios to MLflow's own CLI, and Recorder.close() uploads.
 
-Starts its own ``mlflow server`` on 127.0.0.1 (sqlite backend, proxied artifacts, ``--workers 1``;
-see ``bench_mlflow.py``) in a scratch directory, records two tiny runs with a ``Recorder`` (an
+Starts its own ``mlflow server`` on 127.0.0.1 (sqlite backend, proxied artifacts, ``--workers 1``
+unless ``--server-workers N``: MLflow's own default is 4; see ``bench_mlflow.py``) in a scratch directory, records two tiny runs with a ``Recorder`` (an
 MLP 8-16-16-1, outputs and gradients of its three Linear layers, 6 steps) into two MLflow runs,
 then times, in rounds with the commands in shuffled order, each command as a fresh process with
 ``MLFLOW_TRACKING_URI`` pointing at the server:
@@ -23,6 +23,7 @@ It also prints the requests each command sent (from the server's access log).
 Usage::
 
     .venv/bin/python tests/benchmarks/bench_cli.py [--rounds 5] [--close-rounds 7] [--close-only]
+                                                   [--server-workers 1]
 """
 
 from __future__ import annotations
@@ -200,12 +201,15 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5, help="rounds of the CLI commands")
     ap.add_argument("--close-rounds", type=int, default=7, help="rounds of the close() comparison")
     ap.add_argument("--close-only", action="store_true", help="skip the CLI commands (close() comparison only)")
+    ap.add_argument("--server-workers", type=int, default=1,
+                    help="worker processes of the mlflow server (default 1: one request at a time; "
+                         "`mlflow server` itself defaults to 4)")
     args = ap.parse_args()
     os.environ.pop("MLFLOW_TRACKING_URI", None)
     root = Path(tempfile.mkdtemp(prefix="hookline-bench-cli-"))
-    proc, uri = start_server(root)
+    proc, uri = start_server(root, workers=args.server_workers)
     try:
-        print(f"mlflow server {uri}; load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores\n")
+        print(f"mlflow server {uri} ({args.server_workers} worker(s)); load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores\n")
         if not args.close_only:
             bench_commands(uri, root, args.rounds)
         bench_close(uri, root, args.close_rounds)

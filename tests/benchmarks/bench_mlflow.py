@@ -43,7 +43,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(root: Path) -> tuple[subprocess.Popen, str]:
+def start_server(root: Path, workers: int = 1) -> tuple[subprocess.Popen, str]:
     port = _free_port()
     env = dict(os.environ, MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false")
     env.pop("MLFLOW_TRACKING_URI", None)
@@ -51,7 +51,7 @@ def start_server(root: Path) -> tuple[subprocess.Popen, str]:
     proc = subprocess.Popen(
         [str(Path(sys.executable).with_name("mlflow")), "server", "--backend-store-uri", f"sqlite:///{root / 'srv.db'}",
          "--artifacts-destination", str(root / "srv-artifacts"), "--host", "127.0.0.1", "--port", str(port),
-         "--workers", "1"], stdout=log, stderr=subprocess.STDOUT, env=env, cwd=root, start_new_session=True)
+         "--workers", str(workers)], stdout=log, stderr=subprocess.STDOUT, env=env, cwd=root, start_new_session=True)
     uri = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 90
     while time.monotonic() < deadline:
