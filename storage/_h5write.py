@@ -179,11 +179,16 @@ class FieldOut:
         kw = compression_kwargs(spec.compression)
         self.direct = not kw
         shape = (0,) if spec.ragged else (0, *spec.shape)
+        #: A record larger than a chunk, written straight from its memory chunk by chunk (no
+        #: filter): ``(lead, axis, step)``, see :func:`_split_of`; None: not such a field.
+        self.split: tuple[tuple[int, ...], int, int] | None = None
         if spec.ragged:  # expected counts elements
             self.chunk = flat_chunk(st.itemsize, expected)
         else:
             self.chunk = record_chunk(spec.shape, st.itemsize, expected)
-            # Direct chunk writes only when a chunk holds whole records.
+            if self.direct and tuple(self.chunk[1:]) != tuple(spec.shape):
+                self.split = _split_of(tuple(spec.shape), tuple(self.chunk))
+            # Direct chunk writes of whole records only when a chunk holds whole records.
             self.direct = self.direct and tuple(self.chunk[1:]) == tuple(spec.shape)
         #: The dataset (low-level: h5py's ``Dataset`` wrapper costs more than a small write).
         self.ds: h5d.DatasetID | None
@@ -217,7 +222,9 @@ class FieldOut:
         a, b = self.n, self.n + k
         self._extend(b)
         c0 = self.chunk[0]
-        if self.direct and a % c0 == 0 and block.flags.c_contiguous:
+        if self.split is not None and block.flags.c_contiguous:
+            self._write_split(a, block)
+        elif self.direct and a % c0 == 0 and block.flags.c_contiguous:
             full = (k // c0) * c0
             zeros = (0,) * (block.ndim - 1)
             for j in range(0, full, c0):
@@ -228,6 +235,22 @@ class FieldOut:
             self._write(a, block)
         self.n = b
         self.owner.wrote(block.nbytes)
+
+    def _write_split(self, a: int, block: np.ndarray) -> None:
+        """Write records larger than a chunk chunk by chunk, each straight from the record's
+        memory (``write_direct_chunk``: no gather into HDF5's conversion buffer, which a
+        hyperslab write of a 8 MiB record costs)."""
+        lead, axis, step = self.split
+        wdc = self.ds.write_direct_chunk
+        n_axis = self.spec.shape[axis]
+        n_lead = int(np.prod(lead, dtype=np.int64))
+        rest = (0,) * (len(self.spec.shape) - axis - 1)
+        for i in range(block.shape[0]):
+            rows = block[i].reshape(n_lead, n_axis, -1)  # (a view: the block is C-contiguous)
+            for li in range(n_lead):
+                at = np.unravel_index(li, lead) if lead else ()
+                for j in range(0, n_axis, step):
+                    wdc((a + i, *map(int, at), j, *rest), rows[li, j:j + step])
 
     def append_records(self, arrays: list[np.ndarray]) -> None:
         """Append records of a one-record-per-chunk field: one resize, one direct chunk write
@@ -245,6 +268,27 @@ class FieldOut:
             nbytes += arr.nbytes
         self.n = a + k
         self.owner.wrote(nbytes)
+
+
+def _split_of(shape: tuple[int, ...], chunk: tuple[int, ...]) -> tuple[tuple[int, ...], int, int] | None:
+    """How a chunk of :func:`~.format.record_chunk` cuts a record larger than it: chunk
+    ``(1, 1.., c, full..)`` (record axis ``axis`` cut in steps of ``c``, the axes before it one
+    index at a time, the ones after it whole) makes every chunk a contiguous slice of the
+    record. Returns ``(shape[:axis], axis, c)``, or None for another chunk shape or when ``c``
+    does not divide the axis (an edge chunk would need padding: such records keep the hyperslab
+    write)."""
+    cut = chunk[1:]
+    if chunk[0] != 1 or len(cut) != len(shape):
+        return None
+    diff = [i for i, (c, d) in enumerate(zip(cut, shape)) if c != d]
+    if not diff:
+        return None
+    axis = diff[-1]
+    if any(c != 1 for c in cut[:axis]) or tuple(cut[axis + 1:]) != tuple(shape[axis + 1:]):
+        return None
+    if shape[axis] % cut[axis]:
+        return None
+    return tuple(shape[:axis]), axis, cut[axis]
 
 
 class HandleFileWriter:

@@ -23,7 +23,8 @@ ATTRS = {"handle_id": "outputs[blocks.0]", "key": "outputs/blocks.0", "module_na
          "run_uuid": "a" * 32, "run_created": "2026-01-01T00:00:00+00:00"}
 
 #: (name, dtype name, ragged, per-record shape, compression, records): fixed and ragged fields,
-#: a non-ASCII name, bool, complex, bits-stored dtypes, a compressed and a checksummed field.
+#: a non-ASCII name, bool, complex, bits-stored dtypes, a compressed and a checksummed field,
+#: records larger than a chunk (cut along their first axis, or one index of the leading axes at a time).
 FIELDS = [
     ("outputs.0", "float32", False, (16, 64), None, 11),
     ("grad_out.0", "float32", True, (3, 5), None, 4),
@@ -31,6 +32,9 @@ FIELDS = [
     ("outputs.mask", "bool", False, (5,), None, 2),
     ("outputs.z", "complex64", False, (2,), None, 2),
     ("outputs.g", "float16", False, (4, 4), "gzip+checksum", 6),
+    # records larger than a chunk (8 MiB and 10 MiB): written chunk by chunk straight from memory
+    ("outputs.big", "float32", False, (16, 128, 1024), None, 3),
+    ("grad_in.big", "bfloat16", False, (5, 2, 2**19), None, 2),
 ]
 
 
