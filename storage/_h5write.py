@@ -239,7 +239,7 @@ class FieldOut:
     def _write_split(self, a: int, block: np.ndarray) -> None:
         """Write records larger than a chunk chunk by chunk, each straight from the record's
         memory (``write_direct_chunk``: no gather into HDF5's conversion buffer, which a
-        hyperslab write of a 8 MiB record costs)."""
+        hyperslab write of an 8 MiB record costs)."""
         lead, axis, step = self.split
         wdc = self.ds.write_direct_chunk
         n_axis = self.spec.shape[axis]
