@@ -14,6 +14,7 @@ import torch
 
 from hookline.storage.budget import Budget
 from hookline.storage.errors import HookTypeError, InvalidArgumentError
+from hookline.storage.format import manifest_name
 from hookline.storage.lifecycle import weak_closer
 from hookline.storage.mlflow.client import budget_seconds
 from hookline.storage.writer import RunWriter, WriterStats
@@ -22,6 +23,7 @@ from .bindings import HandleBindings
 from .convert import BufferPool
 from .distributed import broadcast_run_id, check_same_handles, detect
 from .hook import CaptureHook, CaptureOptions
+from .live import LiveUpdates, check_intervals
 from .packer import BlockPacker
 from .run import check_meta, check_run_dir, refuse_held_run, run_metadata
 from .sampling import StepState, check_sampling, check_step
@@ -65,11 +67,18 @@ class Recorder:
         policy: ``"block"`` (wait for the disk) or ``"drop"`` (drop records, counted) when the
             budget is exhausted.
         compression: storage compression (``None``, ``"gzip"``, ``"lzf"``, ``"zstd"``, ``"lz4"``).
-        mlflow_run_id: register the run's data with this MLflow run at close. Under
+        mlflow_run_id: register the run's data with this MLflow run: its norm series and tags
+            while training runs (see ``mlflow_update_s``), its files at close. Under
             ``torch.distributed`` pass it on rank 0 (the others receive it by broadcast).
         tracking_uri: MLflow tracking URI (default: MLflow's own resolution).
         mlflow_timeout: seconds each MLflow call of the upload may take (default
             ``$HOOKLINE_MLFLOW_TIMEOUT``, else 60; see docs/mlflow.md, "Time budget").
+        mlflow_update_s: with an MLflow run, at most this often (checked at step boundaries) a
+            background pass logs the norm points of the records sealed since the last one
+            (None: only at :meth:`flush` and :meth:`close`). Default 60.
+        autoflush_s: the writer seals what it holds (durable, readable, and visible to the
+            MLflow updates) every this many seconds without waiting for :meth:`flush`
+            (None: only at :meth:`flush` and :meth:`close`). Default 300.
         rank, world_size: distributed rank information (stored in file names and attributes);
             default: taken from an initialised ``torch.distributed`` process group. Under
             ``torch.distributed`` the constructor and :meth:`close` are collectives: every rank
@@ -104,10 +113,13 @@ class Recorder:
         stats: StatsSpec | None = None,
         resume: bool = False,
         grad_scaler: torch.amp.GradScaler | None = None,
+        mlflow_update_s: float | None = 60.0,
+        autoflush_s: float | None = 300.0,
     ) -> None:
         self.run_dir = check_run_dir(run_dir)
         self.every, self.steps = every, steps = check_sampling(every, steps)
         check_meta(meta)
+        update_s, autoflush_s = check_intervals(mlflow_update_s, autoflush_s)
         self.grad_scaler = check_scaler(grad_scaler)
         if grad_scaler is not None and meta and _INF_KEY in meta:
             raise InvalidArgumentError(
@@ -150,8 +162,10 @@ class Recorder:
             rank=rank,
             world_size=world_size,
             meta=run_meta,
+            autoflush_s=autoflush_s,
         )
         self.rank, self.world_size = rank, world_size
+        self._live = LiveUpdates(self._mlflow, self.run_dir / manifest_name(rank, world_size), update_s)
         self._state = StepState(every, steps, str(self.run_dir))
         # Records are packed into chunk-sized host blocks (reused buffers: warm pages) and
         # handed to the writer a block at a time. Free buffers kept for reuse are bounded like
@@ -238,6 +252,7 @@ class Recorder:
         step = check_step(step)
         self._writer.raise_if_failed()
         self._packer.hand_over_stale()
+        self._live.tick()  # (a clock read; now and then a background MLflow pass)
         if self._inf_steps is not None:
             self._inf_steps.boundary(step)
         self._set_current(step)

@@ -1,0 +1,76 @@
+"""MLflow updates while training runs: when a Recorder asks its adapter for a metrics pass.
+
+The writer seals what it holds every ``autoflush_s`` seconds (and at every ``flush()``),
+rewriting the run's manifest each time. At most every ``mlflow_update_s`` seconds, at a step
+boundary, :class:`LiveUpdates` looks at the manifest's modification time and, when the writer
+sealed something since the last look, submits a background pass
+(:meth:`~hookline.storage.MlflowAdapter.submit`: metrics and tags of the sealed records, never
+blocking the training thread). So the run page's norm series grow during a long run, at most
+``mlflow_update_s`` after each seal, instead of appearing at ``close()``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from hookline.storage.errors import InvalidArgumentError
+
+__all__ = ["LiveUpdates", "check_intervals", "check_seconds"]
+
+
+def check_seconds(value: Any, name: str, fix: str) -> float | None:
+    """``value`` as seconds: None, or a positive finite number (not a bool).
+
+    Raises:
+        InvalidArgumentError: anything else, quoting it, with ``fix`` as the way out.
+    """
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise InvalidArgumentError(f"{name} must be a positive number of seconds or None, got {value!r}; {fix}")
+    return float(value)
+
+
+def check_intervals(mlflow_update_s: Any, autoflush_s: Any) -> tuple[float | None, float | None]:
+    """A Recorder's ``mlflow_update_s`` and ``autoflush_s``, checked (:func:`check_seconds`)."""
+    return (check_seconds(mlflow_update_s, "mlflow_update_s",
+                          "pass e.g. 60, or None to update MLflow only at flush() and close()"),
+            check_seconds(autoflush_s, "autoflush_s", "pass e.g. 300, or None to seal only at flush() and close()"))
+
+
+class LiveUpdates:
+    """Submits a metrics pass when the writer sealed records since the last one.
+
+    Args:
+        adapter: the recorder's :class:`~hookline.storage.MlflowAdapter` (None: no MLflow run,
+            nothing to do).
+        manifest: this writer's manifest (rewritten at every seal), in the run directory the
+            adapter syncs.
+        every_s: seconds between two looks (None: never; passes at ``flush()`` and ``close()`` only).
+    """
+
+    def __init__(self, adapter: Any, manifest: Path, every_s: float | None) -> None:
+        self.adapter = adapter
+        self.run_dir = manifest.parent
+        self.manifest = manifest
+        self.every_s = every_s
+        self._next = time.monotonic() + every_s if adapter is not None and every_s is not None else math.inf
+        self._seen: int | None = None  # the manifest's mtime at the last pass submitted here
+
+    def tick(self) -> None:
+        """Called at every step boundary: one clock read, unless a look is due."""
+        now = time.monotonic()
+        if now < self._next:
+            return
+        self._next = now + self.every_s  # type: ignore[operator]
+        try:
+            mtime = os.stat(self.manifest).st_mtime_ns
+        except OSError:  # nothing sealed yet
+            return
+        if mtime != self._seen:
+            self._seen = mtime
+            self.adapter.submit(self.run_dir)
