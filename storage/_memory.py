@@ -65,6 +65,9 @@ class Trimmer:
 
     #: Most bytes freed between two trims, whatever the budget (what a heap may keep meanwhile).
     EVERY_MAX = 32 << 20
+    #: Fewest: a small budget's writer does not trim per record (what a heap keeps meanwhile lies
+    #: well within the 64 MB over the budget).
+    EVERY_MIN = 4 << 20
 
     def __init__(self, every: int) -> None:
         self.every = max(1, int(every))
@@ -75,9 +78,9 @@ class Trimmer:
 
     @classmethod
     def for_budget(cls, budget_bytes: int) -> Trimmer:
-        """The trimmer of a writer with this budget: a trim per eighth of it freed, at most
-        :attr:`EVERY_MAX`."""
-        return cls(min(budget_bytes // 8, cls.EVERY_MAX))
+        """The trimmer of a writer with this budget: a trim per eighth of it freed, between
+        :attr:`EVERY_MIN` and :attr:`EVERY_MAX`."""
+        return cls(max(cls.EVERY_MIN, min(budget_bytes // 8, cls.EVERY_MAX)))
 
     def note(self, nbytes: int) -> None:
         """``nbytes`` were freed."""

@@ -11,6 +11,7 @@ import textwrap
 
 import numpy as np
 import pytest
+from _storage_support import RSS_CODE
 
 from hookline.storage import _memory, open_run
 from hookline.storage._memory import Trimmer
@@ -18,17 +19,9 @@ from hookline.storage._memory import Trimmer
 #: 1,000 handles of 4 KiB records in blocks of 256 rows (1 MiB, a recorder's shared blocks at
 #: thousands of handles), each block in fresh memory (a recorder's beyond its pool of buffers).
 _CHILD = """
-import json, resource, sys
+import json, sys
 import numpy as np
 from hookline.storage import RunWriter
-
-def rss_now():
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * resource.getpagesize()
-
-def rss_peak():  # this process's high-water mark (ru_maxrss would keep the forking parent's)
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
 
 where, handles, rounds, budget = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 ids = [f"h{i}" for i in range(handles)]
@@ -55,7 +48,7 @@ def test_many_handles_over_many_rounds_stay_within_the_budget(tmp_path):
     blocks' heap kept the memory of the records queued while the writer wrote, and the writer's
     heap that of the copies it had written, each at its own high-water mark.)"""
     run = tmp_path / "run"
-    out = subprocess.run([sys.executable, "-c", textwrap.dedent(_CHILD), str(run), "1000", "75", "128"],
+    out = subprocess.run([sys.executable, "-c", RSS_CODE + textwrap.dedent(_CHILD), str(run), "1000", "75", "128"],
                          capture_output=True, text=True, timeout=240)
     assert out.returncode == 0, out.stdout + out.stderr
     res = json.loads(out.stdout.strip().splitlines()[-1])
@@ -77,6 +70,7 @@ def test_the_trimmer_trims_once_per_share_freed():
     assert t.freed == (0 if trimmed else 100)
     assert Trimmer.for_budget(64 << 20).every == 8 << 20
     assert Trimmer.for_budget(4 << 30).every == Trimmer.EVERY_MAX
+    assert Trimmer.for_budget(1 << 20).every == Trimmer.EVERY_MIN
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc on Linux")
