@@ -17,6 +17,7 @@ from typing import Callable, Union
 
 import numpy as np
 
+from .._memory import Trimmer
 from ..budget import Budget
 from ..errors import StorageError, WriterClosedError
 from .handle import WriterHandle
@@ -104,6 +105,8 @@ class WriteQueue:
         self._stats = stats
         self._where = where
         self.pending = 0  # accepted bytes not yet written
+        #: Gives memory freed by the writer back to the kernel (storage/_memory.py).
+        self.trimmer = Trimmer.for_budget(budget.bytes)
         self._queued_bytes = 0  # bytes queued since the writer thread last took a batch
         self._wake_sent = False
         self._urgent = 0  # control messages, and drops, that want the writer thread now
@@ -270,6 +273,10 @@ class WriteQueue:
     def release(self, nbytes: int) -> None:
         """Return the bytes of written (or discarded) records to the budget."""
         if nbytes:
+            # Their memory was freed: it goes back to the kernel (per eighth of the budget) before
+            # a waiting caller is told there is room, so new records do not add to memory kept.
+            self.trimmer.note(nbytes)
+            self.trimmer.maybe_trim()
             with self.cond:
                 self.pending -= nbytes
                 self.cond.notify_all()

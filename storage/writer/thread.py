@@ -126,6 +126,9 @@ class WriterThread:
     def _dispatch(self, msg: Message) -> None:
         if isinstance(msg, Record):
             self._stage(msg)
+            # (per record, not per batch: one batch can free hundreds of MB of blocks while the
+            # copies grow the writer's own heap)
+            self.queue.trimmer.maybe_trim()
         elif isinstance(msg, NewHandle):
             self._start_handle(msg.handle)
         elif isinstance(msg, Flush):
@@ -193,6 +196,8 @@ class WriterThread:
             self._stage_one(msg.handle, msg.steps, msg.calls, fields, msg.nbytes)
             return
         per = msg.nbytes // len(msg.rows)
+        # Every row is copied out below: the block's memory is freed (or pooled) when this returns.
+        self.queue.trimmer.note(msg.nbytes)
         steps, calls = msg.steps, msg.calls
         items = list(fields.items())
         arrs = [arr for _, (arr, _) in items]

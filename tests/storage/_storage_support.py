@@ -9,6 +9,18 @@ import numpy as np
 
 from hookline.storage import RunWriter
 
+#: Python source for a child process measuring its own memory: ``rss_now()`` and ``rss_peak()``
+#: (its high-water mark from /proc; ru_maxrss would keep the forking parent's).
+RSS_CODE = """
+import resource
+def rss_now():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize()
+def rss_peak():
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+"""
+
 HID = "outputs[blocks.0]"
 GID = "grads[blocks.0]"
 

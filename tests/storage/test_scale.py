@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from _storage_support import RSS_CODE
 
 from hookline.storage import RunWriter, open_run
 from hookline.storage.writer.norms import SLICE, row_norms
@@ -23,20 +24,9 @@ from hookline.storage.writer.queue import Record
 
 MB = 1 << 20
 
-#: Shared by the children: the peak RSS of this process over a baseline read from /proc.
-_RSS = """
-import resource
-def rss_now():
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * resource.getpagesize()
-def rss_peak():  # this process's high-water mark (ru_maxrss would keep the forking parent's)
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
-"""
-
 
 def _child(code: str, timeout: float = 240) -> dict:
-    out = subprocess.run([sys.executable, "-c", _RSS + textwrap.dedent(code)], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-c", RSS_CODE + textwrap.dedent(code)], capture_output=True, text=True,
                          timeout=timeout)
     assert out.returncode == 0, out.stdout + out.stderr
     return json.loads(out.stdout.strip().splitlines()[-1])
