@@ -55,7 +55,6 @@ class LiveUpdates:
 
     def __init__(self, adapter: Any, manifest: Path, every_s: float | None) -> None:
         self.adapter = adapter
-        self.run_dir = manifest.parent
         self.manifest = manifest
         self.every_s = every_s
         self._next = time.monotonic() + every_s if adapter is not None and every_s is not None else math.inf
@@ -73,4 +72,4 @@ class LiveUpdates:
             return
         if mtime != self._seen:
             self._seen = mtime
-            self.adapter.submit(self.run_dir)
+            self.adapter.submit(self.manifest.parent)  # (the run directory)
