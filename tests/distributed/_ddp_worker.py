@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import faulthandler
 import traceback
 from pathlib import Path
 
@@ -15,6 +16,9 @@ from hookline.tracker import HookManager, Recorder, select
 
 def train(rank: int, world: int, init_file: str, run_dir: str, uri: str | None, out_dir: str,
           extra_handle_on_rank: int = -1, run_ids: tuple | None = None) -> None:
+    # A worker stuck for 150 s prints every thread's stack to stderr and exits, so the parent
+    # test fails with where it hung instead of running into pytest's timeout with no trace.
+    faulthandler.dump_traceback_later(150, exit=True)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     result: dict = {"rank": rank}
     try:
@@ -64,3 +68,4 @@ def train(rank: int, world: int, init_file: str, run_dir: str, uri: str | None, 
         # abort the peer ("terminate called without an active exception").
         dist.barrier()
         dist.destroy_process_group()
+        faulthandler.cancel_dump_traceback_later()
