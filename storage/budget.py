@@ -34,8 +34,8 @@ class Budget:
         (2, 6.0)
     """
 
-    #: Largest share of a recorder's open blocks, whatever the budget: its pool of free buffers
-    #: is bounded alike and lies outside the budget, within the 64 MB over it that SPEC §8 allows.
+    #: Largest share of a recorder's open blocks, whatever the budget; its pool of free buffers
+    #: keeps only what the open blocks leave of this share (``BlockPacker``).
     OPEN_BLOCKS_MAX = 64 << 20
     #: Bounds of :attr:`wake_bytes`: at least 64 KiB per wake-up of the writer thread (each
     #: wake-up is a GIL hand-off to it), at most 16 MiB (a batch must not wait for long).
@@ -69,7 +69,7 @@ class Budget:
     # --- a recorder's split: its open blocks, and its writer ------------------------------------
     @property
     def open_blocks_bytes(self) -> int:
-        """A recorder's blocks being filled (and its pool of free buffers): a quarter of the
+        """A recorder's blocks being filled and its pool of free buffers, together: a quarter of the
         budget, at most :attr:`OPEN_BLOCKS_MAX`. The writer gets the other three quarters: its
         queue absorbs the disk's stalls, while blocks only need room for a block per handle."""
         return min(self.bytes // 4, self.OPEN_BLOCKS_MAX)

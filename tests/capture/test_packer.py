@@ -119,6 +119,42 @@ def test_open_blocks_are_bounded_by_max_open_bytes():
     assert packer.open_records == 1
 
 
+def test_free_and_open_buffers_share_max_open_bytes():
+    """The pool of free buffers lies inside the open-block share of the budget, not beside it: a
+    run whose records change shape (free buffers of the old shape, new blocks of the new one)
+    holds at most max_open_bytes in both together."""
+    got = Calls()  # (copies the records: every handed-over buffer is free again at once)
+    packer = BlockPacker(got, BufferPool(), max_open_bytes=3 << 20)
+    peak = 0
+    for width in (256, 128, 64, 32):  # each a new shape: the pool cannot reuse the last ones
+        rec = torch.ones(64, width)
+        for h in range(6):
+            for _ in range(1 << 20 // rec.nbytes):
+                packer.add(f"h{h}", 0, 0, ["f"], [rec])
+                gc.collect()
+                peak = max(peak, packer.pool.nbytes + packer._open_bytes)
+        packer.hand_over_all()
+        gc.collect()
+        peak = max(peak, packer.pool.nbytes + packer._open_bytes)
+    assert packer.pool.nbytes > 0  # buffers were kept for reuse
+    assert peak <= 3 << 20
+
+
+def test_buffer_pool_shrink_frees_the_longest_unused_first():
+    pool = BufferPool(max_bytes=1 << 20)
+    bufs = [torch.empty(16) for _ in range(4)]  # 64 bytes each
+    for b in bufs:
+        pool.give(b)
+    pool.shrink(128)
+    assert pool.nbytes == 128 and pool.max_bytes == 128
+    assert {pool.take(torch.Size([16]), torch.float32).data_ptr() for _ in range(2)} == \
+        {b.data_ptr() for b in bufs[2:]}  # the last two given are kept
+    pool.give(bufs[0])
+    pool.give(bufs[1])
+    pool.give(bufs[2])  # over the new bound: freed
+    assert pool.nbytes == 128
+
+
 def test_blocks_hold_up_to_block_bytes_and_shrink_to_a_share_of_the_open_budget():
     rec = torch.ones(64, 256)  # 64 KiB, 16 per chunk
     packer = BlockPacker(Calls(), BufferPool(), max_open_bytes=64 << 20)

@@ -81,7 +81,9 @@ class BufferPool:
     exact over a long run).
 
     Args:
-        max_bytes: at most this many bytes are kept for reuse; beyond it buffers are freed.
+        max_bytes: at most this many bytes are kept for reuse; beyond it buffers are freed. A
+            :class:`~.packer.BlockPacker` lowers it while its open blocks grow (:meth:`shrink`),
+            so free and open buffers together stay within one share of the budget.
     """
 
     def __init__(self, max_bytes: int = 64 << 20) -> None:
@@ -114,3 +116,22 @@ class BufferPool:
                 return
             self._free.setdefault(key, deque()).append(buf)
             self._bytes += buf.nbytes
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the free buffers kept now."""
+        return self._bytes
+
+    def shrink(self, max_bytes: int) -> None:
+        """Keep at most ``max_bytes`` of free buffers from now on, freeing the longest unused
+        ones first (the head of each shape's queue: :meth:`take` reuses the tail)."""
+        with self._lock:
+            self.max_bytes = max(0, max_bytes)
+            while self._bytes > self.max_bytes and self._free:
+                for key in list(self._free):
+                    q = self._free[key]
+                    self._bytes -= q.popleft().nbytes
+                    if not q:
+                        del self._free[key]
+                    if self._bytes <= self.max_bytes:
+                        break

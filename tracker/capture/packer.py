@@ -152,6 +152,10 @@ class BlockPacker:
         self.handles = 0
         self.pool = pool
         self.max_open_bytes = max_open_bytes
+        # Free buffers kept for reuse and the blocks being filled share max_open_bytes: the pool
+        # keeps what the open blocks leave (at most its own bound).
+        self._pool_cap = min(pool.max_bytes, max_open_bytes)
+        pool.shrink(self._pool_cap)
         self.max_age_s = max_age_s
         self._event_factory = event_factory or (lambda: torch.cuda.Event())
         self._open: dict[str, _Block] = {}  # handle -> the block its next record goes to
@@ -284,6 +288,11 @@ class BlockPacker:
         """Make ``blk`` the open block of ``handle_id`` (a new block: counted against the budget)."""
         self._open[handle_id] = blk
         self._open_bytes += blk.nbytes
+        room = min(self._pool_cap, self.max_open_bytes - self._open_bytes)
+        if self.pool.nbytes > room:
+            self.pool.shrink(room)
+        else:
+            self.pool.max_bytes = max(0, room)
         if self._oldest is None:
             self._oldest = blk.since
         if self._open_bytes > self.max_open_bytes:
@@ -371,6 +380,7 @@ class BlockPacker:
             if lane is not None and lane.block is blk:
                 lane.block = None
         self._open_bytes -= blk.nbytes
+        self.pool.max_bytes = max(0, min(self._pool_cap, self.max_open_bytes - self._open_bytes))
         if not self._open:
             self._oldest = None
         if blk.n == 0:
