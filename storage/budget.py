@@ -101,6 +101,14 @@ class Budget:
         of :attr:`staged_high`), so the writer does not write partial chunks at every batch."""
         return self.staged_high // 2
 
+    @property
+    def index_bytes(self) -> int:
+        """What the open parts' index entries (steps, calls, record numbers, norms: ~50 bytes a
+        record, written when a part is sealed) may hold: an eighth of the budget, kept out of
+        what the queue may hold. The writer seals every part when they reach it, so records of a
+        few bytes each (thousands of handles, stats) keep memory bounded between flushes."""
+        return self.bytes // 8
+
     # --- a writer's open files ------------------------------------------------------------------
     def open_files(self, limit: int) -> int:
         """Files a writer keeps open at once by default: as many as an eighth of the budget pays
@@ -109,9 +117,10 @@ class Budget:
         return max(1, min(limit, max(self.FILES_MIN, self.bytes // 8 // self.FILE_BYTES)))
 
     def queue_bytes(self, open_files: int) -> int:
-        """What a writer's queue and staged records may hold: the budget less the memory of its
-        ``open_files`` beyond the first :attr:`FILES_MIN` (~2.5 MB: those lie within the 64 MB
-        that SPEC §8 allows over the budget, so a small budget keeps all of itself), leaving at
-        least half the budget."""
+        """What a writer's queue and staged records may hold: the budget less the open parts'
+        :attr:`index_bytes` and the memory of its ``open_files`` beyond the first
+        :attr:`FILES_MIN` (~2.5 MB: those lie within the 64 MB that SPEC §8 allows over the
+        budget, so a small budget keeps all of itself), the files leaving at least half the
+        budget."""
         charge = max(0, open_files - self.FILES_MIN) * self.FILE_BYTES
-        return self.bytes - min(charge, self.bytes // 2)
+        return self.bytes - min(charge, self.bytes // 2) - self.index_bytes

@@ -456,6 +456,7 @@ class RunWriter:
                 max_buffer_bytes=self.max_buffer_bytes,
                 blocked_seconds=self._stats.blocked_seconds,
                 parked_files=self._stats.parked_files,
+                index_seals=self._stats.index_seals,
                 error=str(err) if err else None,
             )
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import weakref
+from array import array
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -102,6 +103,9 @@ class PartTools:
             row is written (its memory is freed then), not row by row.
         lent_staged: bytes of those rows still staged (so ``lent - lent_staged`` is memory held
             by copies beyond their unwritten rows).
+        index: bytes of the index entries the open parts hold (steps, calls, each field's record
+            numbers, norms, ragged offsets and shapes), written when a part is finished: the
+            writer seals every part when they reach :attr:`Budget.index_bytes`.
     """
 
     release: Callable[[int], None]
@@ -111,6 +115,7 @@ class PartTools:
     staged: int = 0
     lent: int = 0
     lent_staged: int = 0
+    index: int = 0
 
     def lend(self, copy: np.ndarray) -> None:
         """``copy`` (a shared block's rows, copied once) is held by the views staged from it: its
@@ -136,7 +141,7 @@ class StagedField:
     """A field's records in the open part that are not yet written to HDF5."""
 
     __slots__ = ("spec", "out", "arrays", "lent", "lent_items", "staged_items", "staged_bytes", "written_items",
-                 "records", "norms", "offsets", "shapes", "item_bytes", "chunk_items")
+                 "records", "norms", "offsets", "shapes", "item_bytes", "chunk_items", "entry_bytes")
 
     def __init__(self, spec: FieldSpec) -> None:
         self.spec = spec
@@ -148,13 +153,17 @@ class StagedField:
         self.staged_items = 0  # records (fixed) or elements (ragged) staged
         self.staged_bytes = 0
         self.written_items = 0
-        self.records: list[int] = []
-        self.norms: list[float] = []
-        self.offsets: list[int] = []
-        self.shapes: list[tuple[int, ...]] = []
+        # The index of the part's entries, kept until the part is finished: flat arrays of
+        # machine numbers (8 bytes an entry; lists of Python ints took ~36).
+        self.records = array("q")
+        self.norms = array("d")
+        self.offsets = array("q")  # ragged
+        self.shapes = array("q")  # ragged: ndim numbers per entry
         st = spec.info.storage
         self.item_bytes = st.itemsize if spec.ragged else st.itemsize * math.prod(spec.shape)
         self.chunk_items = 0  # known once the dataset exists
+        #: Index bytes of one entry (record number, norm, ragged offset and shape).
+        self.entry_bytes = 8 + 8 * spec.info.has_norm + (8 + 8 * spec.ndim if spec.ragged else 0)
 
     def batch_due(self) -> bool:
         """Whether a field without chunks of several items yet has a batch staged (see
@@ -185,9 +194,10 @@ class OpenPart:
         self._make_file = make_file
         self._file: HandleFileWriter | None = None
         self.tools = tools
-        self.steps: list[int] = []
-        self.calls: list[int] = []
+        self.steps = array("q")  # (machine numbers, see StagedField.records)
+        self.calls = array("q")
         self.fields: dict[str, StagedField] = {}
+        self.index = 0  # bytes of its index entries (PartTools.index)
         self._lean: dict[tuple, list[tuple[StagedField, np.dtype | None]]] = {}  # see lean_fields
 
     def file(self) -> HandleFileWriter:
@@ -244,6 +254,9 @@ class OpenPart:
                 sf = self.fields[name] = StagedField(spec)
             self._stage_field(sf, arr, dn, first)
             staged.append(sf)
+        grown = len(steps) * (16 + sum(sf.entry_bytes for sf in staged))
+        self.index += grown
+        self.tools.index += grown
         # From here only the staged runs hold the records: a record's memory is gone when its
         # bytes return to the budget (a caller waiting for room then finds it free).
         fields.clear()
@@ -280,7 +293,9 @@ class OpenPart:
             self.steps.extend([steps[i] for i in idx])
             self.calls.extend([calls[i] for i in idx])
         tools = self.tools
+        grown = 16 * k
         for (sf, view), copy in zip(lean, copies):
+            grown += k * sf.entry_bytes
             run = copy[pos : pos + k]
             if k == 1:
                 sf.records.append(first)
@@ -301,6 +316,8 @@ class OpenPart:
                     self.write_out(sf, full_only=True)
             elif sf.chunk_full():
                 self.write_out(sf, full_only=True)
+        self.index += grown
+        tools.index += grown
 
     def lean_fields(self, sig: tuple) -> list[tuple[StagedField, np.dtype | None]] | None:
         """The staged fields a block of layout ``sig`` (``((name, dtype name, numpy dtype,
@@ -339,7 +356,7 @@ class OpenPart:
                 if sf.spec.info.has_norm:
                     sf.norms.append(l2(one, dn))  # fixed fields: per block in _write_items
                 sf.offsets.append(sf.written_items + sf.staged_items)
-                sf.shapes.append(one.shape)
+                sf.shapes.extend(one.shape)
                 flat = one.reshape(-1)
                 sf.arrays.append(flat)
                 sf.lent.append(False)
@@ -387,7 +404,8 @@ class OpenPart:
         block = None
         if not spec.ragged and out.direct and sf.chunk_items == 1:
             if spec.info.has_norm:
-                sf.norms.extend(v for r in runs for v in row_norms(r, spec.dtype_name))
+                for r in runs:
+                    sf.norms.frombytes(np.asarray(row_norms(r, spec.dtype_name), np.float64).tobytes())
             out.append_records([rec for r in runs for rec in r])
         else:
             if len(runs) == 1:
@@ -400,7 +418,7 @@ class OpenPart:
             if not spec.ragged and spec.info.has_norm:
                 # One batched computation per block: per-record numpy calls would release and
                 # re-acquire the GIL once per record (measured 20 us each under contention).
-                sf.norms.extend(row_norms(block, spec.dtype_name))
+                sf.norms.frombytes(np.asarray(row_norms(block, spec.dtype_name), np.float64).tobytes())
             out.append(block)
         del runs, block  # the records' memory goes before their bytes return to the budget
         written = k * sf.item_bytes
@@ -428,16 +446,20 @@ class OpenPart:
                 out.norms.append(np.asarray(sf.norms, np.float64))
             if sf.spec.ragged:
                 out.offsets.append(np.asarray(sf.offsets, np.int64))
-                out.shapes.append(np.asarray(sf.shapes, np.int64).reshape(len(sf.shapes), sf.spec.ndim))
+                out.shapes.append(np.asarray(sf.shapes, np.int64).reshape(len(sf.offsets), sf.spec.ndim))
         f = self.file()
         f.add_index(np.asarray(self.steps, np.int64), np.asarray(self.calls, np.int64))
         self.tools.files.release(self)
         f.finish()
+        self.tools.index -= self.index
+        self.index = 0
 
     def abort(self) -> None:
         """Close the file without finishing it (after a failure; it stays ``.partial``)."""
         self.tools.staged -= self.staged_bytes()
         self.tools.lent_staged -= sum(sf.lent_items * sf.item_bytes for sf in self.fields.values())
+        self.tools.index -= self.index
+        self.index = 0
         self.tools.files.release(self)
         if self._file is not None:
             self._file.abort()

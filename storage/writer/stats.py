@@ -38,6 +38,8 @@ class WriterStats:
         blocked_seconds: total time ``write()`` waited for buffer space (policy ``"block"``).
         parked_files: times a segment file was closed to stay within ``max_open_files`` (it is
             reopened when its handle writes again; no segment is sealed early).
+        index_seals: flushes made because the open parts' index entries reached their share of
+            the budget (:attr:`~hookline.storage.budget.Budget.index_bytes`).
         error: the background error message, if the writer failed.
     """
 
@@ -46,6 +48,7 @@ class WriterStats:
     max_buffer_bytes: int = 0
     blocked_seconds: float = 0.0
     parked_files: int = 0
+    index_seals: int = 0
     error: str | None = None
 
     @property

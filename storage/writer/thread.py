@@ -57,6 +57,7 @@ class WriterThread:
         self.autoflush_s = autoflush_s
         self.merge_on_close = merge_on_close
         self.parts = OpenParts(ctx, stats)
+        self.stats = stats
         self.compactor = Compactor(ctx, self.handles)
         self._last_flush = time.monotonic()
         self.thread = threading.Thread(target=self._run, name=f"hookline-writer[{ctx.run_dir.name}]", daemon=True)
@@ -143,6 +144,9 @@ class WriterThread:
                 self._write_manifest("open")
             if self.autoflush_s is not None and time.monotonic() - self._last_flush >= self.autoflush_s:
                 self._flush_all()
+            elif self.ctx.tools.index > self.budget.index_bytes:
+                self.stats.index_seals += 1
+                self._flush_all()  # (index entries at their share of the budget: seal them)
             self.parts.relieve_memory(self.budget, self.queue.has_waiters())
         except BaseException as e:
             self._fail(e)

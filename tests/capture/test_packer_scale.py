@@ -10,7 +10,7 @@ from torch import nn
 from hookline.storage import open_run
 from hookline.tracker import HookManager, Recorder
 from hookline.tracker.capture.convert import BufferPool
-from hookline.tracker.capture.packer import BLOCK_MAX_RECORDS, BlockPacker
+from hookline.tracker.capture.packer import BLOCK_BYTES, BlockPacker
 
 
 class Sink:
@@ -35,7 +35,7 @@ def test_handles_without_a_chunk_each_share_blocks_in_record_order():
     sink = Sink()
     packer = BlockPacker(sink.write_block, BufferPool(), max_open_bytes=64 << 20, check_fields=sink.check,
                          write_rows=sink.write_rows)
-    n = 200  # 200 handles x 1 MiB chunks of 4 KiB records > 64 MiB: not a chunk each
+    n = 600  # 600 handles x 1 MiB chunks of 4 KiB records > 64 MiB: not a chunk each
     packer.handles = n
     for step in range(3):
         for h in range(n):
@@ -43,13 +43,14 @@ def test_handles_without_a_chunk_each_share_blocks_in_record_order():
     packer.add("odd", 0, 0, ["outputs.0"], [torch.ones(16, 32)])  # another layout: another shared block
     packer.drain()
     assert sink.blocks == []
-    assert [len(r[0]) for r in sink.rows[:2]] == [BLOCK_MAX_RECORDS] * 2  # full blocks of many handles
+    full = BLOCK_BYTES // (16 * 64 * 4)  # a shared block holds up to BLOCK_BYTES of records, of every member
+    assert [len(r[0]) for r in sink.rows[:1]] == [full] and len(set(sink.rows[0][0])) == n  # a full block
     assert sum(len(r[0]) for r in sink.rows) == 3 * n + 1
     got: dict[str, list[float]] = {}
     for hids, steps, fields in sink.rows:
         for j, hid in enumerate(hids):
             got.setdefault(hid, []).append(float(fields["outputs.0"][j][0, 0]))
-    assert got["h7"] == [70.0, 71.0, 72.0] and got["h199"] == [1990.0, 1991.0, 1992.0]
+    assert got["h7"] == [70.0, 71.0, 72.0] and got["h599"] == [5990.0, 5991.0, 5992.0]
     assert got["odd"] == [1.0]
     assert sorted(sink.checks) == sorted([f"h{h}" for h in range(n)] + ["odd"])  # once per handle layout
 
@@ -106,16 +107,16 @@ def test_a_recorder_with_128_hooked_modules_hands_over_full_shared_blocks(tmp_pa
     x = torch.randn(16, 64)
     want = []
     with torch.no_grad():
-        for step in range(4):
+        for step in range(8):
             with rec.step(step):  # the model's forward, one hooked call per module
                 outs, y = [], x
                 for lin in model:
                     y = lin(y)
                     outs.append(y.numpy().copy())
                 want.append(outs)
-    assert handed == [BLOCK_MAX_RECORDS] * 2  # 512 records: two full shared blocks, nothing else
+    assert handed == [BLOCK_BYTES // (64 * 16 * 4)]  # 1,024 records: one full shared block, nothing else
     rec.close()
     with open_run(tmp_path / "run") as run:
         for i in (0, 63, 127):
             f = run[f"outputs[{i}]"]["outputs.0"]
-            np.testing.assert_array_equal(f.read(), np.stack([want[s][i] for s in range(4)]))
+            np.testing.assert_array_equal(f.read(), np.stack([want[s][i] for s in range(8)]))

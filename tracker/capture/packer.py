@@ -40,6 +40,10 @@ __all__ = ["BlockPacker", "BLOCK_BYTES", "BLOCK_MAX_RECORDS", "MAX_AGE_S"]
 BLOCK_BYTES = 4 << 20
 #: Most records one block holds (tiny records such as stats would otherwise wait for thousands).
 BLOCK_MAX_RECORDS = 256
+#: Most records one shared block holds (records of many handles: see ``_join_shared``).
+SHARED_MAX_RECORDS = 1 << 16
+#: Row views of a block made at once (see ``_Block.rows``).
+ROW_WINDOW = 16
 #: A partly filled block is handed to the writer at the next step boundary once its first record
 #: is this old, so a slow loop's records reach the writer (and its autoflush) within seconds.
 MAX_AGE_S = 1.0
@@ -61,8 +65,10 @@ class _Block:
         self.names = names
         self.srcs = srcs  # (shape, dtype, is_cuda) of each source tensor
         self.bufs = bufs
-        # Row views made once per block (one unbind call instead of one indexing per record).
-        self.rows = [b.unbind(0) for b in bufs]
+        # Row views made a window at a time (one unbind call per ROW_WINDOW records instead of
+        # one indexing per record; views of every row of every open block at once would be
+        # ~0.5 KB of tensor objects per row, more than tiny records themselves).
+        self.rows: list[tuple[torch.Tensor, ...]] = []
         self.steps: list[int] = []
         self.calls: list[int] = []
         self.n = 0
@@ -231,8 +237,11 @@ class BlockPacker:
             if blk is None:
                 return  # dropped by the writer's policy before it was copied (counted there)
         i = blk.n
+        w = i % ROW_WINDOW
+        if not w:
+            blk.rows = [b[i:i + ROW_WINDOW].unbind(0) for b in blk.bufs]
         for rows, t in zip(blk.rows, tensors):
-            rows[i].copy_(t, non_blocking=blk.cuda)
+            rows[w].copy_(t, non_blocking=blk.cuda)
         if blk.cuda:
             ev = self._event_factory()
             ev.record()
@@ -340,7 +349,10 @@ class BlockPacker:
             return blk
         filling = sum(1 for other in self._lanes.values() if other.block is not None)
         room = min(self.block_bytes, self.max_open_bytes // (2 * (filling + 1)))
-        cap = max(1, min(BLOCK_MAX_RECORDS, room // lane.record_bytes))
+        # (not BLOCK_MAX_RECORDS: the block is shared, so it holds a step of every member,
+        # and the writer keeps a view per handle and block: few rows per handle would cost
+        # more memory in views than the rows themselves)
+        cap = max(1, min(SHARED_MAX_RECORDS, room // lane.record_bytes))
         names, srcs, _, stats = lane.sig
         cuda = any(c for _, _, c in srcs)
         blk = _Block(list(names), list(srcs), self._buffers(cap, tensors, lane.dtypes, cuda), cap, cuda, stats,
@@ -448,6 +460,14 @@ class BlockPacker:
             for name, buf in zip(blk.names, blk.bufs):
                 fields.update(split_stats(name, buf[:n].numpy()))  # copies: buffer free now
             for buf in blk.bufs:
+                self.pool.give(buf)
+        elif 2 * n <= blk.cap:
+            # A block handed over less than half full (its age, a flush, the open-block budget):
+            # its filled rows are copied out and the buffer goes back to the pool now. The writer
+            # counts the rows' bytes against the budget, so a view would pin memory it does not
+            # count (the whole buffer), up to ~250x that of tiny records handed over one by one.
+            for name, buf in zip(blk.names, blk.bufs):
+                fields[name] = to_field(buf[:n].clone())
                 self.pool.give(buf)
         else:
             give = self.pool.give
