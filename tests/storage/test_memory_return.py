@@ -60,6 +60,52 @@ def test_many_handles_over_many_rounds_stay_within_the_budget(tmp_path):
         assert x.shape == (75, 1024) and np.array_equal(x[:, 0], np.arange(75))
 
 
+_RECORDER_CHILD = """
+import json, sys
+import torch
+from hookline.tracker import HookManager, Recorder
+
+where, n, steps, budget = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+torch.set_num_threads(1)
+mods = [torch.nn.Linear(1, 1) for _ in range(n)]
+x = torch.randn(16, 1)
+with torch.no_grad():
+    for m in mods:
+        m(x)
+base = rss_now()
+rec = Recorder(where, max_buffer_mb=budget)
+mgr = HookManager()
+mgr.register_forward_hook(rec.outputs, **{str(i): m for i, m in enumerate(mods)})
+with torch.no_grad():
+    for s in range(steps):
+        with rec.step(s):
+            for m in mods:
+                m(x)
+summary = rec.close()
+print(json.dumps({"over": rss_peak() - base, "records": summary.records,
+                  "index_seals": summary.storage.index_seals}))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads VmHWM from /proc")
+def test_a_thousand_handles_of_64_byte_records_stay_within_the_budget(tmp_path):
+    """1,000 hooked Linear(1) modules (64-byte records), 1,000 steps at a 32 MB budget: peak RSS
+    within 32 + 64 MB over the baseline (it reached 133 MB and kept growing with the steps), and
+    every record reads back."""
+    run = tmp_path / "run"
+    out = subprocess.run([sys.executable, "-c", RSS_CODE + textwrap.dedent(_RECORDER_CHILD), str(run), "1000", "1000", "32"],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout + out.stderr
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    assert res["records"] == 1_000_000
+    assert res["index_seals"] >= 1  # the index entries reached their share: sealed, not grown
+    over_mb = res["over"] / 2**20
+    assert over_mb <= 32 + 64, f"peak {over_mb:.0f} MB over the baseline at a 32 MB budget"
+    with open_run(run) as r:
+        steps = r["outputs[999]"].steps
+        assert len(steps) == 1000 and np.array_equal(steps, np.arange(1000))
+
+
 def test_the_trimmer_trims_once_per_share_freed():
     t = Trimmer(100)
     t.note(60)
