@@ -92,7 +92,7 @@ class Trimmer:
             return False
         self.freed = 0
         t = time.perf_counter()
-        _TRIM(0)
+        malloc_trim()
         self.seconds += time.perf_counter() - t
         self.trims += 1
         return True

@@ -6,6 +6,7 @@ A refused record raises here, in the caller's ``write()``, and leaves no trace i
 from __future__ import annotations
 
 import json
+import math
 from typing import Any, Mapping, Union
 
 import numpy as np
@@ -16,10 +17,27 @@ from ..format import MAX_STEP
 from ..keys import check_name
 from .handle import NewField, WriterHandle
 
-__all__ = ["FieldValue", "check_handle_names", "check_steps", "checked_fields", "json_meta", "meta_conflicts"]
+__all__ = ["FieldValue", "check_handle_names", "check_seconds", "check_steps", "checked_fields", "json_meta",
+           "meta_conflicts"]
+
+#: How to fix a bad ``autoflush_s`` (RunWriter, Recorder).
+AUTOFLUSH_FIX = "pass e.g. 300, or None to seal only at flush() and close()"
 
 #: What ``write()`` takes per field: an array, or ``(raw_bits, dtype_name)``.
 FieldValue = Union[np.ndarray, "tuple[np.ndarray, str]"]
+
+
+def check_seconds(value: Any, name: str, fix: str) -> float | None:
+    """``value`` as seconds: None, or a positive finite number (not a bool).
+
+    Raises:
+        InvalidArgumentError: anything else, quoting it, with ``fix`` as the way out.
+    """
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise InvalidArgumentError(f"{name} must be a positive number of seconds or None, got {value!r}; {fix}")
+    return float(value)
 
 
 def check_handle_names(handle_id: str, info: Mapping[str, str]) -> None:

@@ -31,7 +31,8 @@ from ..errors import HookTypeError, InvalidArgumentError, StorageError, UnknownN
 from ..format import manifest_name, rank_suffix
 from ..keys import handle_key
 from ..lifecycle import weak_closer
-from .checks import FieldValue, check_handle_names, check_steps, checked_fields, json_meta, meta_conflicts
+from .checks import AUTOFLUSH_FIX, FieldValue, check_handle_names, check_seconds, check_steps, checked_fields, \
+    json_meta, meta_conflicts
 from .context import WriterContext
 from .handle import NewField, WriterHandle
 from .manifest import ManifestWriter, RunIdentity
@@ -63,6 +64,7 @@ class RunWriter:
         meta: JSON-serialisable run metadata (stored in the manifest and every file).
         autoflush_s: seal open segments (like :meth:`flush`, without waiting) when this many
             seconds passed since the last flush, bounding what a crash can lose; None disables.
+            A positive finite number (else ``InvalidArgumentError``, before anything is created).
         merge_on_close: merge each handle's segments into one ``<key>.h5`` at :meth:`close`.
             With False, segments stay (readable by ``open_run``; ``verify(repair=True)`` merges).
         fsync: fsync files and directories at flush/close (power-loss durability).
@@ -120,6 +122,7 @@ class RunWriter:
         else:
             self.max_open_files = check_max_open_files(max_open_files, 2, 1024)
         compression_rules = CompressionRules(compression)
+        autoflush_s = check_seconds(autoflush_s, "autoflush_s", AUTOFLUSH_FIX)
         self.meta = json_meta(meta, "run meta")  # before anything is created
         self.run_dir = Path(run_dir)
         try:

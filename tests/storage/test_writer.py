@@ -144,6 +144,11 @@ def test_argument_errors(run_dir):
     for bad in (-1, "32", True):
         with pytest.raises(InvalidArgumentError, match=f"writeback_mb .*got {bad!r}"):
             RunWriter(run_dir, writeback_mb=bad)
+    fresh = run_dir.parent / "never-created"
+    for bad in (0, -1, float("nan"), "300", True):  # refused before anything is created
+        with pytest.raises(InvalidArgumentError, match=f"autoflush_s .*got {bad!r}.*None to seal only"):
+            RunWriter(fresh, autoflush_s=bad)
+        assert not fresh.exists()
 
 
 @pytest.mark.parametrize("writeback_mb", [1, 0])

@@ -17,29 +17,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-from hookline.storage.errors import InvalidArgumentError
+from hookline.storage.writer.checks import AUTOFLUSH_FIX, check_seconds
 
-__all__ = ["LiveUpdates", "check_intervals", "check_seconds"]
-
-
-def check_seconds(value: Any, name: str, fix: str) -> float | None:
-    """``value`` as seconds: None, or a positive finite number (not a bool).
-
-    Raises:
-        InvalidArgumentError: anything else, quoting it, with ``fix`` as the way out.
-    """
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise InvalidArgumentError(f"{name} must be a positive number of seconds or None, got {value!r}; {fix}")
-    return float(value)
+__all__ = ["LiveUpdates", "check_intervals"]
 
 
 def check_intervals(mlflow_update_s: Any, autoflush_s: Any) -> tuple[float | None, float | None]:
     """A Recorder's ``mlflow_update_s`` and ``autoflush_s``, checked (:func:`check_seconds`)."""
     return (check_seconds(mlflow_update_s, "mlflow_update_s",
                           "pass e.g. 60, or None to update MLflow only at flush() and close()"),
-            check_seconds(autoflush_s, "autoflush_s", "pass e.g. 300, or None to seal only at flush() and close()"))
+            check_seconds(autoflush_s, "autoflush_s", AUTOFLUSH_FIX))
 
 
 class LiveUpdates:

@@ -297,16 +297,21 @@ class BlockPacker:
         """Make ``blk`` the open block of ``handle_id`` (a new block: counted against the budget)."""
         self._open[handle_id] = blk
         self._open_bytes += blk.nbytes
-        room = min(self._pool_cap, self.max_open_bytes - self._open_bytes)
-        if self.pool.nbytes > room:
-            self.pool.shrink(room)
-        else:
-            self.pool.max_bytes = max(0, room)
+        self._fit_pool()
         if self._oldest is None:
             self._oldest = blk.since
         if self._open_bytes > self.max_open_bytes:
             self.hand_over_all(keep=handle_id)
         return blk
+
+    def _fit_pool(self) -> None:
+        """Let the pool keep what the open blocks leave of ``max_open_bytes`` (freeing buffers
+        only when it holds more: the usual call is one comparison and an assignment)."""
+        room = max(0, min(self._pool_cap, self.max_open_bytes - self._open_bytes))
+        if self.pool.nbytes > room:
+            self.pool.shrink(room)
+        else:
+            self.pool.max_bytes = room
 
     def _rejoin(self, handle_id: str, names: list[str], tensors: list[torch.Tensor], cast: torch.dtype | None,
                 stats: bool) -> _Block | None:
@@ -392,7 +397,7 @@ class BlockPacker:
             if lane is not None and lane.block is blk:
                 lane.block = None
         self._open_bytes -= blk.nbytes
-        self.pool.max_bytes = max(0, min(self._pool_cap, self.max_open_bytes - self._open_bytes))
+        self._fit_pool()
         if not self._open:
             self._oldest = None
         if blk.n == 0:
