@@ -169,9 +169,8 @@ class Recorder:
         self._state = StepState(every, steps, str(self.run_dir))
         # Records are packed into chunk-sized host blocks (reused buffers: warm pages) and
         # handed to the writer a block at a time. Free buffers kept for reuse share the open
-        # blocks' part of the budget (the packer shrinks the pool as blocks grow), so memory
-        # stays within the budget (SPEC §8) even when ragged shapes leave pooled buffers that no
-        # later block can use.
+        # blocks' part of the budget (SPEC §8), also when ragged shapes leave pooled buffers
+        # that no later block can use (the packer shrinks the pool as blocks grow).
         self._pool = BufferPool(max_bytes=open_bytes)
         self._packer = BlockPacker(self._writer.write_block, self._pool, max_open_bytes=open_bytes,
                                    check_fields=self._writer.reserve_fields, write_rows=self._writer.write_rows,
