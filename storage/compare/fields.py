@@ -1,5 +1,6 @@
 """Comparing one field of two handles, streaming: records paired on ``(step, call[, rank])``, read
-in bounded blocks."""
+in bounded blocks; element-wise metrics per block, representation metrics per record pair and
+pooled over the field."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from ..blocks import BLOCK_BYTES, contiguous_runs, read_block, records_per_block
 from ..reader import Field, Handle
 from ..words import plural
 from .metrics import block_metrics, check_metrics
+from .represent import POOL_BYTES, REPRESENTATION_METRICS, PairStream, check_sample_dims, sample_split
 from .results import FieldComparison
 
 __all__ = ["compare_fields"]
@@ -65,6 +67,8 @@ def compare_fields(
     block_bytes: int = BLOCK_BYTES,
     progress: Callable[[int], None] | None = None,
     pair_ranks: bool = True,
+    sample_dims: int | None = None,
+    pool_bytes: int = POOL_BYTES,
 ) -> FieldComparison:
     """Compare one field of two handles, streaming.
 
@@ -72,39 +76,65 @@ def compare_fields(
         handle_a, handle_b: the handles (of run A and run B); both have ``field``.
         field: the field name.
         handle_id: the id the result carries (default ``handle_a.id``).
-        metrics: subset of :data:`METRICS` (default all).
+        metrics: subset of :data:`ALL_METRICS` (default: :data:`METRICS`).
         block_bytes: read-block budget per field (float64 bytes); bounds memory.
         progress: called with the number of record pairs just processed.
         pair_ranks: pair records on ``(step, call, rank)``; False pairs on ``(step, call)`` only
             (one chosen rank of each run is compared, e.g. rank 0 of A against rank 1 of B).
+        sample_dims: for ``cka``/``procrustes``: how many leading axes of a record hold samples
+            (default: all but the last).
+        pool_bytes: budget of the pooled co-moments behind :attr:`FieldComparison.overall`.
 
     Returns:
         The :class:`FieldComparison` (its ``status`` says what was wrong, if anything).
     """
     ms = check_metrics(metrics)
+    sample_dims = check_sample_dims(sample_dims)
     fa, fb = handle_a[field], handle_b[field]
     res = FieldComparison(handle_id or handle_a.id, field, shape_a=fa.shape, shape_b=fb.shape,
                           dtype_a=fa.dtype_name, dtype_b=fb.dtype_name)
     ia, ib = _pair_fields(res, handle_a, fa, handle_b, fb, pair_ranks)
     res.values = {m: np.full(len(ia), np.nan) for m in ms}
     tick = progress or (lambda n: None)
+    rep = [m for m in ms if m in REPRESENTATION_METRICS]
+    stream = PairStream(rep, sample_dims, pool_bytes) if rep else None
     if len(ia) == 0:
         _no_common_steps(res, fa, fb)
     elif res.shape_a is None or res.shape_b is None:
         for k in range(len(ia)):
-            _ragged_pairs(fa, fb, ia[k : k + 1], ib[k : k + 1], res, k, ms)
+            _ragged_pairs(fa, fb, ia[k : k + 1], ib[k : k + 1], res, k, ms, stream)
             tick(1)
-    elif res.shape_a != res.shape_b:
+    elif not _comparable(res.shape_a, res.shape_b, ms, sample_dims):
         _shapes_differ(res)
         tick(len(ia))
     elif set(ms) == {"norm_ratio"} and (na := _stored_norms(fa)) is not None and (nb := _stored_norms(fb)) is not None:
         _norm_ratio(res, na[ia], nb[ib])  # the writer's per-record norms: no data read
         tick(len(ia))
     else:
-        _block_pairs(fa, fb, ia, ib, res, ms, block_bytes, tick)
+        _block_pairs(fa, fb, ia, ib, res, ms, block_bytes, tick, stream)
     if res.status == "ok" and res.mismatched:
         _note_mismatches(res)
+    if stream is not None:
+        _pooled(res, stream)
     return res
+
+
+def _comparable(shape_a: tuple[int, ...], shape_b: tuple[int, ...], ms: tuple[str, ...],
+                sample_dims: int | None) -> bool:
+    """Whether records of these shapes compare: equal shapes, or (representation metrics only)
+    equal sample axes with any number of features."""
+    if shape_a == shape_b:
+        return True
+    if any(m not in REPRESENTATION_METRICS for m in ms):
+        return False
+    return sample_split(shape_a, sample_dims)[0] == sample_split(shape_b, sample_dims)[0]
+
+
+def _pooled(res: FieldComparison, stream: PairStream) -> None:
+    """The representation metrics over all compared records (NaN unless some were compared)."""
+    res.overall = stream.overall()
+    if stream.note and res.status == "ok":
+        res.message = "; ".join(([res.message] if res.message else []) + [stream.note])
 
 
 def _no_common_steps(res: FieldComparison, fa: Field, fb: Field) -> None:
@@ -139,28 +169,41 @@ def _norm_ratio(res: FieldComparison, na: np.ndarray, nb: np.ndarray) -> None:
 
 
 def _block_pairs(fa: Field, fb: Field, ia: np.ndarray, ib: np.ndarray, res: FieldComparison,
-                 ms: tuple[str, ...], block_bytes: int, tick: Callable[[int], None]) -> None:
-    """Equal fixed shapes: the metrics of runs of consecutive pairs, one block of each field at a time."""
-    assert res.shape_a is not None
-    for s, e in contiguous_runs(ia, ib, records_per_block(res.shape_a, block_bytes)):
+                 ms: tuple[str, ...], block_bytes: int, tick: Callable[[int], None],
+                 stream: PairStream | None) -> None:
+    """Fixed shapes: the metrics of runs of consecutive pairs, one block of each field at a time."""
+    assert res.shape_a is not None and res.shape_b is not None
+    wider = max(res.shape_a, res.shape_b, key=lambda s: int(np.prod(s)))
+    elementwise = [m for m in ms if m not in REPRESENTATION_METRICS]
+    for s, e in contiguous_runs(ia, ib, records_per_block(wider, block_bytes)):
         blk_a = read_block(fa, int(ia[s]), int(ia[e - 1]) + 1)
         blk_b = read_block(fb, int(ib[s]), int(ib[e - 1]) + 1)
-        for m, v in block_metrics(blk_a, blk_b, ms).items():
-            res.values[m][s:e] = v
+        if elementwise:
+            for m, v in block_metrics(blk_a, blk_b, elementwise).items():
+                res.values[m][s:e] = v
+        if stream is not None:
+            for k in range(e - s):
+                for m, v in stream.pair(blk_a[k], blk_b[k]).items():
+                    res.values[m][s + k] = v
         tick(e - s)
 
 
 def _ragged_pairs(fa: Field, fb: Field, ia: np.ndarray, ib: np.ndarray, res: FieldComparison, offset: int,
-                  ms: tuple[str, ...]) -> None:
-    """Pairs read one record at a time; a pair whose shapes differ is skipped and counted."""
+                  ms: tuple[str, ...], stream: PairStream | None) -> None:
+    """Pairs read one record at a time; a pair whose shapes do not compare is skipped and counted."""
+    elementwise = [m for m in ms if m not in REPRESENTATION_METRICS]
     for k, (i, j) in enumerate(zip(ia.tolist(), ib.tolist())):
         a, b = np.asarray(fa[i]), np.asarray(fb[j])
-        if a.shape != b.shape:
+        if not _comparable(a.shape, b.shape, ms, stream.sample_dims if stream else None):
             res.mismatched += 1
             res.mismatch_positions.append(offset + k)
             continue
-        for m, v in block_metrics(a[None], b[None], ms).items():
-            res.values[m][offset + k] = v[0]
+        if elementwise:
+            for m, v in block_metrics(a[None], b[None], elementwise).items():
+                res.values[m][offset + k] = v[0]
+        if stream is not None:
+            for m, v in stream.pair(a, b).items():
+                res.values[m][offset + k] = v
 
 
 def _note_mismatches(res: FieldComparison) -> None:

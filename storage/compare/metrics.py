@@ -1,4 +1,5 @@
-"""Metrics of record pairs: cosine, rel_l2 and norm_ratio, in float64 (see :mod:`hookline.storage.compare`)."""
+"""Metrics of record pairs: cosine, rel_l2 and norm_ratio, in float64 (see :mod:`hookline.storage.compare`),
+and the names of every metric a comparison accepts (the representation metrics live in :mod:`.represent`)."""
 
 from __future__ import annotations
 
@@ -7,11 +8,14 @@ from typing import Iterable, Sequence
 import numpy as np
 
 from ..errors import InvalidArgumentError
+from .represent import REPRESENTATION_METRICS
 
-__all__ = ["METRICS", "block_metrics", "pair_metrics", "check_metrics"]
+__all__ = ["METRICS", "ALL_METRICS", "block_metrics", "pair_metrics", "check_metrics"]
 
-#: Metric names, in their documented order.
+#: Element-wise metric names, in their documented order: the default of a comparison.
 METRICS: tuple[str, ...] = ("cosine", "rel_l2", "norm_ratio")
+#: Every metric a comparison accepts: :data:`METRICS`, then ``cka`` and ``procrustes``.
+ALL_METRICS: tuple[str, ...] = METRICS + REPRESENTATION_METRICS
 
 
 def _as_rows(x: np.ndarray, n: int) -> np.ndarray:
@@ -54,16 +58,22 @@ def block_metrics(a: np.ndarray, b: np.ndarray, metrics: Sequence[str]) -> dict[
 
 
 def pair_metrics(a: np.ndarray, b: np.ndarray, metrics: Sequence[str] = METRICS) -> dict[str, float]:
-    """The metrics of one record pair (two arrays of the same shape), as floats."""
+    """The element-wise metrics of one record pair (two arrays of the same shape), as floats."""
     a, b = np.asarray(a), np.asarray(b)
     if a.shape != b.shape:
         raise InvalidArgumentError(f"cannot compare arrays of shapes {a.shape} and {b.shape}")
-    out = block_metrics(a[None], b[None], check_metrics(metrics))
+    ms = check_metrics(metrics)
+    rep = [m for m in ms if m in REPRESENTATION_METRICS]
+    if rep:
+        raise InvalidArgumentError(f"pair_metrics computes {', '.join(METRICS)}; for {', '.join(map(repr, rep))} "
+                                   f"use compare_runs(..., metrics=[...])")
+    out = block_metrics(a[None], b[None], ms)
     return {m: float(v[0]) for m, v in out.items()}
 
 
 def check_metrics(metrics: Iterable[str] | str | None) -> tuple[str, ...]:
-    """The metrics asked for, deduplicated, in the order given (None: all of :data:`METRICS`).
+    """The metrics asked for, deduplicated, in the order given (None: all of :data:`METRICS`;
+    :data:`ALL_METRICS` are accepted).
 
     Raises:
         InvalidArgumentError: an unknown metric, or none.
@@ -74,8 +84,8 @@ def check_metrics(metrics: Iterable[str] | str | None) -> tuple[str, ...]:
         metrics = [metrics]
     ms = tuple(dict.fromkeys(metrics))
     for m in ms:
-        if m not in METRICS:
-            raise InvalidArgumentError(f"unknown metric {m!r}; use one of {', '.join(METRICS)}")
+        if m not in ALL_METRICS:
+            raise InvalidArgumentError(f"unknown metric {m!r}; use one of {', '.join(ALL_METRICS)}")
     if not ms:
-        raise InvalidArgumentError("give at least one metric: " + ", ".join(METRICS))
+        raise InvalidArgumentError("give at least one metric: " + ", ".join(ALL_METRICS))
     return ms

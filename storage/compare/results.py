@@ -40,6 +40,11 @@ class FieldComparison:
         shape_a, shape_b: per-record shapes (``None`` when ragged or unknown).
         dtype_a, dtype_b: dtype names.
         mismatch_positions: positions (in ``steps``) of the pairs skipped for their shapes.
+        overall: representation metric (``cka``, ``procrustes``) -> its value over all compared
+            records of the field at once (their samples stacked; NaN when it could not be had,
+            :attr:`message` says why).
+        handle_a, handle_b: the handle ids in run A and run B (they differ from ``handle`` when
+            names were aligned: :attr:`CompareResult.alignment`); ``None`` where absent.
     """
 
     handle: str
@@ -58,6 +63,9 @@ class FieldComparison:
     dtype_b: str | None = None
     mismatch_positions: list[int] = dc_field(default_factory=list, repr=False)
     ranks: np.ndarray | None = None
+    overall: dict[str, float] = dc_field(default_factory=dict)
+    handle_a: str | None = None
+    handle_b: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -107,17 +115,25 @@ class FieldComparison:
         for m, v in self.values.items():
             d[m] = [_finite_or_none(x) for x in v]
         d["summary"] = {m: self.summary(m) for m in self.values}
+        if self.overall:
+            d["overall"] = {m: _finite_or_none(v) for m, v in self.overall.items()}
         return d
 
 
 @dataclass
 class CompareResult:
-    """All :class:`FieldComparison` results of one :func:`compare_runs` call."""
+    """All :class:`FieldComparison` results of one :func:`compare_runs` call.
+
+    Attributes:
+        alignment: how handle names were aligned across the runs (a wrapper prefix dropped,
+            ``rename=`` applied), or ``None`` when they paired as recorded.
+    """
 
     run_a: str
     run_b: str
     metrics: tuple[str, ...]
     results: list[FieldComparison]
+    alignment: str | None = None
 
     def __iter__(self) -> Iterator[FieldComparison]:
         return iter(self.results)
@@ -136,6 +152,11 @@ class CompareResult:
                 return r
         raise KeyError((handle, field))
 
+    def overall(self, metric: str) -> dict[tuple[str, str | None], float]:
+        """``(handle, field)`` -> the value of a representation metric over all common records
+        of that field (samples of every matched step stacked), for the compared fields."""
+        return {(r.handle, r.field): r.overall[metric] for r in self.results if metric in r.overall}
+
     @property
     def problems(self) -> list[FieldComparison]:
         """The results whose status is not ``"ok"``."""
@@ -147,5 +168,6 @@ class CompareResult:
             "run_a": self.run_a,
             "run_b": self.run_b,
             "metrics": list(self.metrics),
+            "alignment": self.alignment,
             "results": [r.to_dict() for r in self.results],
         }
