@@ -39,6 +39,7 @@ class Alignment:
         names: aligned handle names: run A's order, then run B's others.
         a, b: aligned name -> the handle id in run A / run B (absent: not in that run).
         note: what was renamed, in words, or ``None`` when the handles paired as recorded.
+        renamed: handle id -> its aligned name, for the handles whose name changed.
     """
 
     names: list[str]

@@ -97,6 +97,8 @@ class FieldComparison:
         """JSON-ready dict (stable keys; non-finite numbers become ``None``)."""
         d: dict[str, Any] = {
             "handle": self.handle,
+            "handle_a": self.handle_a,
+            "handle_b": self.handle_b,
             "field": self.field,
             "status": self.status,
             "message": self.message,

@@ -200,10 +200,10 @@ def _records(handle: Handle, fld: str) -> int:
 
 def count_pairs(run_a: RunLike, run_b: RunLike, *, handles: str | Iterable[str] | None = None,
                 fields: str | Iterable[str] | None = None, tracking_uri: str | None = None,
-                rename: Mapping[str, str] | None = None) -> int:
+                rename: Mapping[str, str] | None = None, alignment: Alignment | None = None) -> int:
     """Upper bound of record pairs a comparison reads (for progress bars); cheap (indexes only)."""
     ra, rb = _open(run_a, tracking_uri), _open(run_b, tracking_uri)
-    al = align_handles(ra, rb, rename)
+    al = alignment or align_handles(ra, rb, rename)
     total = 0
     for h, f, where in plan(ra, rb, handles=handles, fields=fields, alignment=al):
         if where == "both" and f is not None:
