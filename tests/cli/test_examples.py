@@ -31,17 +31,31 @@ def test_cka_two_runs(runs, tmp_path):
     assert same.returncode == 0 and "mean CKA 1.0000" in same.stdout
 
 
-def test_linear_cka_properties():
-    sys.path.insert(0, str(EXAMPLES))
-    try:
-        from cka_two_runs import linear_cka
-    finally:
-        sys.path.remove(str(EXAMPLES))
+def test_cka_example_uses_tokens_as_samples(tmp_path):
+    """(batch, seq, d) records: CKA over batch*seq token samples (as a direct numpy CKA of the
+    reshaped records gives), and over all steps stacked."""
+    from hookline.storage import RunWriter
+
     rng = np.random.default_rng(0)
-    x = rng.standard_normal((50, 8))
-    q, _ = np.linalg.qr(rng.standard_normal((8, 8)))
-    assert linear_cka(x, 3.0 * x @ q) == pytest.approx(1.0)  # invariant to rotation and scale
-    assert linear_cka(x, rng.standard_normal((50, 8))) < 0.5
+    xs = [rng.standard_normal((2, 8, 4)) for _ in range(3)]
+    ys = [x @ rng.standard_normal((4, 4)) + 0.8 * rng.standard_normal(x.shape) for x in xs]
+    for name, module, arrays in (("a", "mlp", xs), ("b", "model.mlp", ys)):  # b named as under Lightning
+        w = RunWriter(tmp_path / name)
+        w.add_handle(f"outputs[{module}]", module_name=module, hook_fn_name="outputs")
+        for step, arr in enumerate(arrays):
+            w.write(f"outputs[{module}]", step, 0, {"outputs.0": arr})
+        w.close()
+
+    def cka(x, y):
+        x, y = x - x.mean(0), y - y.mean(0)
+        return np.linalg.norm(y.T @ x) ** 2 / (np.linalg.norm(x.T @ x) * np.linalg.norm(y.T @ y))
+
+    out = _run("cka_two_runs.py", tmp_path / "a", tmp_path / "b", "outputs[mlp]", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    vals = [float(l.split()[2]) for l in out.stdout.splitlines() if l.strip() and l.split()[0].isdigit()]
+    assert vals == pytest.approx([cka(x.reshape(16, 4), y.reshape(16, 4)) for x, y in zip(xs, ys)], abs=1e-4)
+    stacked = cka(np.vstack([x.reshape(16, 4) for x in xs]), np.vstack([y.reshape(16, 4) for y in ys]))
+    assert f"all steps {stacked:.4f}" in out.stdout and "'model.'" in out.stdout  # Lightning-style names paired
 
 
 def test_grad_norm_trajectories(runs, tmp_path):
