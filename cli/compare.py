@@ -206,7 +206,8 @@ def compare(run_a: str, run_b: str, handles: tuple[str, ...], fields: tuple[str,
     per step and over all common steps at once. The table shows, per metric, mean/worst over
     the steps (worst: min cosine/cka, max rel_l2/procrustes, norm_ratio farthest from 1); --json
     and --plot give every step. Handles pair on their names; when none pairs, a wrapper prefix
-    (model., module., _orig_mod.) is dropped and a note says so; --map makes it explicit. Handles or fields present in only one run, differing shapes, runs without common
+    (model., module., _orig_mod.) is dropped and a note says so; --map makes it explicit.
+    Handles or fields present in only one run, differing shapes, runs without common
     steps and unreadable files are reported in the table (exit code 0). Streams: runs larger
     than memory compare fine. RUN is a run directory, runs:/<id>, or an MLflow run id.
     Distributed runs pair records on (step, call, rank); --rank / --rank-a / --rank-b compare

@@ -172,7 +172,8 @@ def test_cli_table_json_and_heatmap(tmp_path):
     rng = np.random.default_rng(10)
     xs = [rng.standard_normal((2, 6, 4)) for _ in range(3)]
     a = write_run(tmp_path / "a", {"fc": xs, "head": xs})
-    b = write_run(tmp_path / "b", {"fc": [x @ _orthogonal(4, 11) for x in xs], "head": [rng.standard_normal(x.shape) for x in xs]})
+    b = write_run(tmp_path / "b", {"fc": [x @ _orthogonal(4, 11) for x in xs],
+                                   "head": [rng.standard_normal(x.shape) for x in xs]})
     out = cli_runner.invoke(cli, ["compare", str(a), str(b), "--metric", "cka", "-q"])
     assert out.exit_code == 0, out.output
     rows = {l.split()[0]: l.split() for l in out.output.splitlines() if l.startswith("outputs[")}

@@ -70,7 +70,8 @@ def test_explicit_rename_and_no_alignment_when_names_pair(framework_runs):
 def test_stacked_wrappers_and_the_lightning_prefix_of_a_hf_name(tmp_path):
     xs = [np.random.default_rng(0).standard_normal((6, 4))]
     a = write_run(tmp_path / "a", {"transformer.h.0.mlp": xs, "transformer.h.1.mlp": xs})
-    b = write_run(tmp_path / "b", {"module._orig_mod.transformer.h.0.mlp": xs, "module._orig_mod.transformer.h.1.mlp": xs})
+    wrapped = "module._orig_mod.transformer.h"
+    b = write_run(tmp_path / "b", {f"{wrapped}.0.mlp": xs, f"{wrapped}.1.mlp": xs})
     res = compare_runs(a, b, metrics=["cosine"])
     assert "'module._orig_mod.'" in res.alignment and {r.status for r in res} == {"ok"}
     c = write_run(tmp_path / "c", {"model.transformer.h.0.mlp": xs, "head": xs})  # not every name has it
