@@ -30,7 +30,7 @@ import numpy as np
 
 from ..errors import InvalidArgumentError
 
-__all__ = ["REPRESENTATION_METRICS", "POOL_BYTES", "sample_split", "as_samples", "Moments",
+__all__ = ["REPRESENTATION_METRICS", "POOL_BYTES", "sample_split", "as_samples", "centre", "Moments",
            "PairStream", "representation_metrics", "check_sample_dims"]
 
 #: The metrics of this module (per record pair, and pooled over a field).
@@ -67,14 +67,27 @@ def sample_split(shape: Sequence[int], sample_dims: int | None) -> tuple[tuple[i
     return shape[:k], int(np.prod(shape[k:], dtype=np.int64))
 
 
-def as_samples(x: np.ndarray, sample_dims: int | None) -> np.ndarray:
-    """One record as a float64 ``(samples, features)`` matrix (complex: real and imaginary parts)."""
+def as_samples(x: np.ndarray, sample_dims: int | None, out: np.ndarray | None = None) -> np.ndarray:
+    """One record as a float64 ``(samples, features)`` matrix of its own (complex: real and
+    imaginary parts), written into the float64 buffer ``out`` when it is given and large enough."""
     x = np.asarray(x)
     rows, _ = sample_split(x.shape, sample_dims)
     n = int(np.prod(rows, dtype=np.int64))
     if x.dtype.kind == "c":
         x = np.ascontiguousarray(x, np.complex128).view(np.float64)  # last axis doubled: (re, im)
-    return x.reshape(n, -1).astype(np.float64, copy=False)
+    src = x.reshape(n, -1)
+    if out is None or out.size < src.size:
+        return src.astype(np.float64, copy=True)
+    dst = out[: src.size].reshape(src.shape)
+    np.copyto(dst, src, casting="unsafe")
+    return dst
+
+
+def centre(x: np.ndarray) -> np.ndarray:
+    """Subtract the column means of ``x`` in place; returns the means."""
+    mean = x.mean(axis=0)
+    x -= mean
+    return mean
 
 
 def _from_moments(cxx: np.ndarray, cyy: np.ndarray, cxy: np.ndarray, metrics: Sequence[str]) -> dict[str, float]:
@@ -120,11 +133,9 @@ class Moments:
     cxy: np.ndarray
 
     @classmethod
-    def of(cls, x: np.ndarray, y: np.ndarray) -> Moments:
-        """The moments of float64 ``(n, p)`` and ``(n, q)`` sample matrices."""
-        mx, my = x.mean(axis=0), y.mean(axis=0)
-        xc, yc = x - mx, y - my
-        return cls(len(x), mx, my, xc.T @ xc, yc.T @ yc, xc.T @ yc)
+    def of(cls, xc: np.ndarray, yc: np.ndarray, mx: np.ndarray, my: np.ndarray) -> Moments:
+        """The moments of centred float64 ``(n, p)``, ``(n, q)`` sample matrices and their means."""
+        return cls(len(xc), mx, my, xc.T @ xc, yc.T @ yc, xc.T @ yc)
 
     def merge(self, o: Moments) -> None:
         """Add ``o``'s samples (Chan et al.'s update: stable however far the means lie apart)."""
@@ -147,17 +158,15 @@ class Moments:
 
 def representation_metrics(x: np.ndarray, y: np.ndarray, metrics: Sequence[str], *,
                            moments: bool = False) -> tuple[dict[str, float], Moments | None]:
-    """The metrics of one pair of float64 sample matrices (same number of rows), and its
-    :class:`Moments` when ``moments`` (or when feature space computed them anyway)."""
+    """The metrics of one pair of float64 sample matrices (same number of rows; centred here, in
+    place), and its :class:`Moments` when ``moments`` (or when feature space computed them anyway)."""
     n, p, q = x.shape[0], x.shape[1], y.shape[1]
+    mx, my = centre(x), centre(y)
     if n > max(p, q):
-        mom = Moments.of(x, y)
+        mom = Moments.of(x, y, mx, my)
         return mom.metrics(metrics), mom
-    if n < 2:
-        values = {m: float("nan") for m in metrics}
-    else:
-        values = _sample_space(x - x.mean(axis=0), y - y.mean(axis=0), metrics)
-    return values, (Moments.of(x, y) if moments else None)
+    values = {m: float("nan") for m in metrics} if n < 2 else _sample_space(x, y, metrics)
+    return values, (Moments.of(x, y, mx, my) if moments else None)
 
 
 class PairStream:
@@ -177,6 +186,7 @@ class PairStream:
         self.max_bytes = max_bytes
         self.total: Moments | None = None
         self.widths: tuple[int, int] | None = None
+        self.buffers = [np.empty(0), np.empty(0)]  # reused record matrices: no fresh pages per record
         #: Why the value over all records is NaN, when it is for a reason other than no records.
         self.note: str | None = None
 
@@ -194,9 +204,17 @@ class PairStream:
                          f"records ({self.widths[0]} x {self.widths[1]}, then {p} x {q})")
         return self.note is None
 
+    def _matrix(self, k: int, record: np.ndarray) -> np.ndarray:
+        """Side ``k``'s record as a float64 samples x features matrix, in its reused buffer."""
+        record = np.asarray(record)
+        need = int(np.prod(record.shape, dtype=np.int64)) * (2 if record.dtype.kind == "c" else 1)
+        if self.buffers[k].size < need:
+            self.buffers[k] = np.empty(need)
+        return as_samples(record, self.sample_dims, self.buffers[k])
+
     def pair(self, a: np.ndarray, b: np.ndarray) -> dict[str, float]:
         """The metrics of one record pair (records of equal sample shape); pools its moments."""
-        x, y = as_samples(a, self.sample_dims), as_samples(b, self.sample_dims)
+        x, y = (self._matrix(k, r) for k, r in enumerate((a, b)))
         pool = self._poolable(x.shape[1], y.shape[1])
         values, mom = representation_metrics(x, y, self.metrics, moments=pool)
         if pool and mom is not None:

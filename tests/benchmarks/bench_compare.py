@@ -15,7 +15,13 @@ process (a script, not collected by pytest). Prints ratios measured in one run.
   scaled to ``--steps`` (it would take minutes to run them all).
 * **similarity()**: ``--runs`` runs of ``--sim-steps`` records; all ``runs*(runs-1)/2`` pairs
   in this process against a ``LocalCluster(n_workers=2, threads_per_worker=1)`` (started
-  before the clock; each pair one task that opens its runs in the worker).
+  before the clock; each pair one task that opens its runs in the worker). The workers'
+  statistical profiler is off (``distributed.worker.profile.enabled``; ``--worker-profile``
+  keeps it): on oversubscribed cores its 10 ms stack sampling makes a task wait for the GIL most
+  of its wall time (here 0.07 s of CPU in 0.6-1 s of wall time per pair; 0.2 s without it).
+
+Matrix products run on BLAS threads: on busy cores set ``OPENBLAS_NUM_THREADS=1`` (dask's
+workers set it for themselves); docs/performance.md gives both.
 """
 
 from __future__ import annotations
@@ -96,9 +102,11 @@ def bench_layer(d: Path, steps: int, rounds: int, old_records: int) -> None:
           f"({old / statistics.median(times['cka']):.0f}x cka; {old_records} records timed)")
 
 
-def bench_similarity(d: Path, n_runs: int, steps: int) -> None:
+def bench_similarity(d: Path, n_runs: int, steps: int, worker_profile: bool) -> None:
+    import dask
     from dask.distributed import Client, LocalCluster
 
+    dask.config.set({"distributed.worker.profile.enabled": worker_profile})
     base = [np.random.default_rng(99).standard_normal(SHAPE).astype(np.float32) for _ in range(steps)]
     runs = [str(_write(d / f"sim{i}", steps, 10 + i, base)) for i in range(n_runs)]
     pairs = n_runs * (n_runs - 1) // 2
@@ -110,7 +118,8 @@ def bench_similarity(d: Path, n_runs: int, steps: int) -> None:
         cluster_t = _timed(lambda: remote.update(similarity(runs, metric="cka", client=client)))
     local = similarity(runs, metric="cka")
     same = all(np.allclose(remote[h].values, local[h].values, rtol=0, atol=1e-12, equal_nan=True) for h in local)
-    print(f"similarity(): {n_runs} runs x {steps} steps, {pairs} pairs (each one task)")
+    print(f"similarity(): {n_runs} runs x {steps} steps, {pairs} pairs (each one task; worker profiler "
+          f"{'on' if worker_profile else 'off'})")
     print(f"  one process      {local_t:7.3f} s")
     print(f"  LocalCluster x2  {cluster_t:7.3f} s  {local_t / cluster_t:5.2f}x faster  (equal to local: {same})")
 
@@ -123,11 +132,12 @@ def main() -> None:
     p.add_argument("--runs", type=int, default=8)
     p.add_argument("--sim-steps", type=int, default=20)
     p.add_argument("--dir", type=Path, default=None)
+    p.add_argument("--worker-profile", action="store_true", help="keep the dask workers' statistical profiler")
     args = p.parse_args()
     d = Path(tempfile.mkdtemp(prefix="bench-compare-", dir=args.dir))
     try:
         bench_layer(d, args.steps, args.rounds, args.old_records)
-        bench_similarity(d, args.runs, args.sim_steps)
+        bench_similarity(d, args.runs, args.sim_steps, args.worker_profile)
     finally:
         shutil.rmtree(d, ignore_errors=True)
 
