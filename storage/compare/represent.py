@@ -90,34 +90,40 @@ def centre(x: np.ndarray) -> np.ndarray:
     return mean
 
 
+def _cka(hsic: float, norm_x: float, norm_y: float) -> float:
+    """``hsic / (norm_x norm_y)``; NaN when a side has no variance."""
+    denom = norm_x * norm_y
+    return float(hsic / denom) if denom > 0 else float("nan")
+
+
+def _angle(nuc: float, sq_x: float, sq_y: float) -> float:
+    """``arccos(nuc / sqrt(sq_x sq_y))`` (clipped to 1: rounding); NaN when a side has no variance."""
+    scale = np.sqrt(sq_x * sq_y)
+    return float(np.arccos(min(1.0, nuc / scale))) if scale > 0 else float("nan")
+
+
 def _from_moments(cxx: np.ndarray, cyy: np.ndarray, cxy: np.ndarray, metrics: Sequence[str]) -> dict[str, float]:
     """The metrics from centred co-moment sums ``X^T X``, ``Y^T Y``, ``X^T Y``."""
     out: dict[str, float] = {}
-    with np.errstate(divide="ignore", invalid="ignore"):
-        if "cka" in metrics:
-            denom = np.linalg.norm(cxx) * np.linalg.norm(cyy)
-            out["cka"] = float(np.sum(cxy * cxy) / denom) if denom > 0 else float("nan")
-        if "procrustes" in metrics:
-            scale = np.sqrt(np.trace(cxx) * np.trace(cyy))
-            nuc = np.linalg.svd(cxy, compute_uv=False).sum() if cxy.size else 0.0
-            out["procrustes"] = float(np.arccos(min(1.0, nuc / scale))) if scale > 0 else float("nan")
+    if "cka" in metrics:
+        out["cka"] = _cka(np.sum(cxy * cxy), np.linalg.norm(cxx), np.linalg.norm(cyy))
+    if "procrustes" in metrics:
+        nuc = np.linalg.svd(cxy, compute_uv=False).sum() if cxy.size else 0.0
+        out["procrustes"] = _angle(nuc, np.trace(cxx), np.trace(cyy))
     return out
 
 
 def _sample_space(xc: np.ndarray, yc: np.ndarray, metrics: Sequence[str]) -> dict[str, float]:
     """The metrics of centred ``(n, p)``, ``(n, q)`` with few samples: ``n x n`` Gram matrices."""
     out: dict[str, float] = {}
-    with np.errstate(divide="ignore", invalid="ignore"):
-        if "cka" in metrics:
-            k, l = xc @ xc.T, yc @ yc.T
-            denom = np.linalg.norm(k) * np.linalg.norm(l)
-            out["cka"] = float(np.sum(k * l) / denom) if denom > 0 else float("nan")  # tr(KL) = ||X^T Y||_F^2
-        if "procrustes" in metrics:
-            # X^T = Q R (Q orthonormal columns): the singular values of X^T Y are those of R Y
-            r = np.linalg.qr(xc.T, mode="r")
-            nuc = np.linalg.svd(r @ yc, compute_uv=False).sum()
-            scale = np.sqrt(np.sum(xc * xc) * np.sum(yc * yc))
-            out["procrustes"] = float(np.arccos(min(1.0, nuc / scale))) if scale > 0 else float("nan")
+    if "cka" in metrics:
+        k, l = xc @ xc.T, yc @ yc.T
+        out["cka"] = _cka(np.sum(k * l), np.linalg.norm(k), np.linalg.norm(l))  # tr(KL) = ||X^T Y||_F^2
+    if "procrustes" in metrics:
+        # X^T = Q R (Q orthonormal columns): the singular values of X^T Y are those of R Y
+        r = np.linalg.qr(xc.T, mode="r")
+        nuc = np.linalg.svd(r @ yc, compute_uv=False).sum()
+        out["procrustes"] = _angle(nuc, np.sum(xc * xc), np.sum(yc * yc))
     return out
 
 

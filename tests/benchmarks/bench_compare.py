@@ -97,9 +97,13 @@ def bench_layer(d: Path, steps: int, rounds: int, old_records: int) -> None:
     with open_run(a) as ra, open_run(b) as rb:
         fa, fb = ra[HID][FIELD], rb[HID][FIELD]
         per = [_timed(lambda i=i: _old_cka(fa[i], fb[i])) for i in range(old_records)]
+        old_value = _old_cka(fa[0], fb[0])
+    new_value = compare_runs(a, b, metrics=["cka"]).get(HID, FIELD).values["cka"][0]
     old = statistics.median(per) * steps
     print(f"  old example      {statistics.median(per):7.3f} s per record x {steps} = {old:.1f} s "
           f"({old / statistics.median(times['cka']):.0f}x cka; {old_records} records timed)")
+    print(f"  step 0: old example's CKA {old_value:.3f} (8 samples of {SHAPE[1] * SHAPE[2]} features), "
+          f"per-token CKA {new_value:.3f} ({SHAPE[0] * SHAPE[1]} samples of {SHAPE[2]})")
 
 
 def bench_similarity(d: Path, n_runs: int, steps: int, worker_profile: bool) -> None:
