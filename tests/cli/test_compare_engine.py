@@ -224,6 +224,7 @@ def test_norm_ratio_only_uses_stored_norms(runs, monkeypatch):
 
 def test_cli_metric_choices_are_the_engine_metrics():
     """The CLI spells the metrics out (building it imports no storage); they must stay the engine's."""
-    from hookline.cli.compare import METRIC_CHOICES
+    from hookline.cli.compare import DEFAULT_METRICS, METRIC_CHOICES
+    from hookline.storage.compare import ALL_METRICS
 
-    assert METRIC_CHOICES == METRICS
+    assert METRIC_CHOICES == ALL_METRICS and DEFAULT_METRICS == METRICS
