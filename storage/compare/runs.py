@@ -16,7 +16,7 @@ from ..reader import Handle, Run, open_run
 from .align import Alignment, align_handles
 from .fields import compare_fields
 from .metrics import check_metrics
-from .represent import check_sample_dims
+from .represent import REPRESENTATION_METRICS, check_sample_dims
 from .results import CompareResult, FieldComparison
 
 __all__ = ["RunLike", "compare_runs", "iter_compare", "count_pairs", "plan", "glob_to_regex"]
@@ -169,6 +169,8 @@ def iter_compare(
         res = _compare_item(ra, rb, al, (h, f, where), ms, rank_a, rank_b,
                             dict(block_bytes=block_bytes, progress=progress, sample_dims=sample_dims))
         res.handle_a, res.handle_b = al.a.get(h), al.b.get(h)
+        if not res.overall:  # (nothing compared: every result carries the pooled metrics asked for)
+            res.overall = {m: float("nan") for m in ms if m in REPRESENTATION_METRICS}
         yield res
 
 

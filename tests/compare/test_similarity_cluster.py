@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -49,6 +50,12 @@ def test_similarity_is_symmetric_with_unit_diagonal_and_equals_compare_runs(four
             want = compare_runs(four_runs[i], four_runs[j], metrics=["cka"]).get("outputs[enc]").overall["cka"]
             assert m[i, j] == pytest.approx(want, abs=1e-12)
     assert m[0, 1] == pytest.approx(1.0, abs=1e-9) and m[0, 2] < 0.95 and m[0, 3] < 0.2
+    # a run without the handle: NaN in its row and column, its diagonal too
+    lacking = str(write_run(Path(four_runs[0]).parent / "enc_only", {"enc": [np.ones((2, 3, 6))]}))
+    dec = similarity([four_runs[0], lacking, four_runs[1]], metric="cka")["outputs[dec]"].values
+    assert np.isnan(dec[1]).all() and np.isnan(dec[:, 1]).all() and dec[0, 0] == dec[2, 2] == 1.0
+    want = compare_runs(four_runs[0], four_runs[1], metrics=["cka"]).get("outputs[dec]").overall["cka"]
+    assert dec[0, 2] == dec[2, 0] == pytest.approx(want, abs=1e-12)
     dist = similarity(four_runs, handles="*enc*", metric="procrustes")["outputs[enc]"].values
     np.testing.assert_array_equal(np.diag(dist), 0.0)
     assert dist[0, 1] < 1e-6 < dist[0, 2] < dist[0, 3]
