@@ -59,6 +59,7 @@ _LAZY = {
     "CompareResult": "compare",
     "FieldComparison": "compare",
     "METRICS": "compare",
+    "frame": "analysis.across",
 }
 
 __all__ = [
