@@ -78,7 +78,7 @@ class FieldSource:
         self.dtype = dtypes.info(dtype_name).read
         self.ndim = len(self.shape)
         # (what tells a rewritten file from the one the array was made of: size and mtime)
-        self.stamps = [(os.stat(p).st_size, os.stat(p).st_mtime_ns) for p, _ in files]
+        self.stamps = [(st.st_size, st.st_mtime_ns) for st in (os.stat(p) for p, _ in files)]
         self._pieces: list[PartField | None] = [None] * len(files)
         self._lru: FileLRU | None = None
         self._lock = threading.Lock()

@@ -149,7 +149,7 @@ def test_rank_column_distinguishes_ranks(runs):
         assert frame(run, fields="outputs.0").groupby("rank")["norm"].size().to_dict() == {0: 12, 1: 12}
 
 
-def test_frame_of_a_run_in_mlflow(runs, sqlite_tracking_uri, tmp_path):
+def test_a_run_in_mlflow(runs, sqlite_tracking_uri, tmp_path):
     from mlflow import MlflowClient
 
     from hookline.storage import sync
@@ -163,7 +163,13 @@ def test_frame_of_a_run_in_mlflow(runs, sqlite_tracking_uri, tmp_path):
     a, b = (df[df["run"] == k].drop(columns="run").reset_index(drop=True) for k in ("mlflow", "local"))
     pd.testing.assert_frame_equal(a, b)
     # only the file of the handle asked for was downloaded
-    assert sorted(p.name for p in cache.rglob("*.h5")) == ["fc1.h5"]
+    assert sorted(p.relative_to(cache).as_posix() for p in cache.rglob("*.h5")) == [f"{rid}/hookline/grads/fc1.h5"]
+    # the lazy arrays of an MLflow run read its downloaded copy
+    with open_run(f"runs:/{rid}", tracking_uri=sqlite_tracking_uri, cache_dir=cache) as remote, \
+            open_run(runs / "a") as local:
+        x = remote[HID]["outputs.2"].to_dask()
+        assert np.array_equal(x.compute(), local[HID]["outputs.2"].read())
+    assert len(list(cache.rglob("*.h5"))) == 2
 
 
 @pytest.mark.parametrize("hidden, call", [
