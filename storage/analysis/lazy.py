@@ -81,7 +81,7 @@ class FieldSource:
         self.stamps = [(st.st_size, st.st_mtime_ns) for st in (os.stat(p) for p, _ in files)]
         self._pieces: list[PartField | None] = [None] * len(files)
         self._lru: FileLRU | None = None
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
 
     @classmethod
     def of(cls, field: Any) -> FieldSource:
@@ -98,7 +98,7 @@ class FieldSource:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
 
     def __dask_tokenize__(self) -> tuple:
         return ("hookline.FieldSource", self.handle_id, self.name, self.dtype_name, self.shape,
@@ -138,7 +138,8 @@ class FieldSource:
 
     def read(self, a: int, b: int) -> np.ndarray:
         """Entries ``[a, b)`` (0 <= a <= b <= len), decoded as numpy reads return them."""
-        blocks = stored_range(self.piece, self.bounds, a, b)
+        with self._lock:  # (h5py serialises its calls anyway; this keeps the LRU from closing a file being read)
+            blocks = stored_range(self.piece, self.bounds, a, b)
         if not blocks:
             return np.zeros((0, *self.shape[1:]), self.dtype)
         stored = blocks[0] if len(blocks) == 1 else np.concatenate(blocks)
