@@ -60,6 +60,7 @@ _LAZY = {
     "FieldComparison": "compare",
     "METRICS": "compare",
     "similarity": "compare",
+    "frame": "analysis.across",
 }
 
 __all__ = [

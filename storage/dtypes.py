@@ -205,23 +205,27 @@ def to_float(stored: np.ndarray, name: str) -> np.ndarray:
     return decode(stored, name)
 
 
-def to_torch(stored: np.ndarray, name: str) -> Any:
+def to_torch(stored: np.ndarray, name: str, copy: bool = True) -> Any:
     """Return a torch tensor of the exact logical dtype (imports torch lazily).
 
     Args:
         stored: the array as read from HDF5.
         name: logical dtype name.
+        copy: False when ``stored`` is a fresh array nobody else holds: the tensor then shares
+            its memory (no second copy of a large read).
     """
     import torch
 
     arr = np.ascontiguousarray(stored).reshape(np.shape(stored))  # ascontiguousarray makes 0-d 1-d
+    if copy:
+        arr = arr.copy()
     if name == "bfloat16":
-        return torch.from_numpy(arr.view(np.int16).copy()).view(torch.bfloat16)
+        return torch.from_numpy(arr.view(np.int16)).view(torch.bfloat16)
     if name in _FLOAT8:
         tdt = getattr(torch, name, None)
         if tdt is None:
             raise InvalidArgumentError(f"this torch ({torch.__version__}) has no dtype {name!r}")
-        return torch.from_numpy(arr.copy()).view(tdt)
+        return torch.from_numpy(arr).view(tdt)
     if name == "complex32":
-        return torch.from_numpy(arr.view(np.int32).copy()).view(torch.complex32)
-    return torch.from_numpy(arr.copy())
+        return torch.from_numpy(arr.view(np.int32)).view(torch.complex32)
+    return torch.from_numpy(arr)

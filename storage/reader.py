@@ -17,7 +17,10 @@ manifests shared within the process, and whether a closed run's manifest names a
 handle's files, so that opening a run and reading one record opens that one file and lists no
 directory.
 
-(~670 lines, kept in one file: :class:`Run`, :class:`Handle`, :class:`LazyPart` and
+The analysis methods (``frame``, ``to_dask``, ``to_xarray``, ``to_torch()`` of many records)
+delegate to :mod:`hookline.storage.analysis`.
+
+(~745 lines, kept in one file: :class:`Run`, :class:`Handle`, :class:`LazyPart` and
 :class:`Field` share private state - a Field reads its handle's opened parts and record offsets -
 so splitting them would pass private names between modules.)
 """
@@ -197,6 +200,13 @@ class Run:
                 raise UnknownNameError(f"handle {handle_id!r} has no data of rank {rank!r}; ranks: {ranks}")
         h = self._cache[key] = Handle(self, handle_id, entries)
         return h
+
+    def frame(self, handles: str | Sequence[str] | None = None, fields: str | Sequence[str] | None = None) -> Any:
+        """:meth:`Handle.frame` of ``handles`` (ids; None: all) with columns ``handle`` and
+        ``module`` in front; ``fields`` as there. Reads the record index only. Needs
+        ``pip install "hookline[analysis]"`` (pandas)."""
+        from .analysis.frames import run_frame
+        return run_frame(self, handles, fields)
 
     def close(self) -> None:
         """Close every open file."""
@@ -434,6 +444,22 @@ class Handle:
         self._load()
         return name in self._names
 
+    def frame(self, fields: str | Sequence[str] | None = None) -> Any:
+        """:meth:`Field.frame` of ``fields`` (None: all) with a ``field`` column in front (a
+        ``mode="stats"`` handle: one row per record of each summarised field, its statistics as
+        columns ``norm``, ``mean``, ``std``, ``min``, ``max``, ``absmax``). Needs
+        ``pip install "hookline[analysis]"`` (pandas)."""
+        from .analysis.frames import handle_frame
+        return handle_frame(self, fields)
+
+    def to_xarray(self, fields: str | Sequence[str] | None = None, chunks: int | str = "auto") -> Any:
+        """The fixed-shape fields with an entry in every record (None: all of them; the others are
+        named in ``attrs["skipped"]``) as a lazy ``xarray.Dataset`` on dim ``record`` (as
+        :meth:`Field.to_xarray`; a field's own axes are ``<field>.dim_<k>``). Needs
+        ``pip install "hookline[analysis]"``."""
+        from .analysis.lazy import handle_xarray
+        return handle_xarray(self, fields, chunks)
+
     def __repr__(self) -> str:
         return f"Handle({self.id!r}, module_type={self.module_type!r}, category={self.category!r})"
 
@@ -615,9 +641,47 @@ class Field:
             out.append(sn)
         return np.concatenate(out) if out else np.zeros(0, np.float64)
 
-    def to_torch(self, i: int) -> Any:
-        """Entry ``i`` as a torch tensor of the exact recorded dtype (imports torch)."""
-        return dtypes.to_torch(self._stored(i), self.dtype_name)
+    def to_torch(self, index: int | slice | None = None) -> Any:
+        """Entry ``index`` as a torch tensor of the exact recorded dtype (bfloat16 included;
+        imports torch); a slice, or None for every entry: stacked along a new axis 0 (a list of
+        tensors when ragged)."""
+        if isinstance(index, (int, np.integer)):
+            return dtypes.to_torch(self._stored(index), self.dtype_name)
+        from .analysis.tensors import field_tensors
+        return field_tensors(self, index)
+
+    @property
+    def pieces(self) -> list[PartField]:
+        """The field's entries file by file, in entry order (each part's ``count``, file and
+        chunks): what the analysis tools read."""
+        return [pf for _, pf in self._segs]
+
+    def frame(self) -> Any:
+        """One row per entry: ``step``, ``call``, ``rank`` (-1 when not distributed), ``norm``
+        (the stored L2 norm; NaN for int/bool fields), read from the record index only. Needs
+        ``pip install "hookline[analysis]"`` (pandas)."""
+        from .analysis.frames import field_frame
+        return field_frame(self)
+
+    def to_dask(self, chunks: int | str = "auto") -> Any:
+        """A lazy ``dask.array.Array`` of shape ``(len(self), *shape)``, equal to :meth:`read`,
+        chunked along records in whole storage chunks (``chunks``: about that many records, or
+        ``"auto"``: dask's ``array.chunk-size``); computes on ``dask.distributed`` process
+        workers that see the run directory. Needs ``pip install "hookline[analysis]"``.
+
+        Raises:
+            InvalidArgumentError: the field is ragged (the message says what reads it).
+        """
+        from .analysis.lazy import field_dask
+        return field_dask(self, chunks)
+
+    def to_xarray(self, chunks: int | str = "auto", dims: Sequence[str] | None = None) -> Any:
+        """:meth:`to_dask` as an ``xarray.DataArray``: dims ``("record", *dims)`` (default
+        ``dim_0``...), a (``step``, ``call``, ``rank``) index on ``record`` (``.sel(step=3)``),
+        attrs ``handle``, ``module``, ``field``, ``dtype`` (the torch dtype name). Needs
+        ``pip install "hookline[analysis]"``."""
+        from .analysis.lazy import field_xarray
+        return field_xarray(self, chunks, dims)
 
     def __repr__(self) -> str:
         return (f"Field({self.handle.id!r}/{self.name!r}, records={len(self)}, dtype={self.dtype_name}, "
