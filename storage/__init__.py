@@ -59,6 +59,7 @@ _LAZY = {
     "CompareResult": "compare",
     "FieldComparison": "compare",
     "METRICS": "compare",
+    "RecordDataset": "analysis.dataset",
 }
 
 __all__ = [
