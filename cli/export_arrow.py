@@ -43,12 +43,13 @@ def export_arrow_command(run: str, handle: str | None, field: str | None, refs: 
                          out: str, steps_spec: str | None, force: bool, quiet: bool,
                          tracking_uri: str | None) -> None:
     """Export aligned rows of fields of RUN to the ``datasets`` directory ``out``."""
-    from hookline.storage.analysis.dataset_arrow import export_arrow
+    from hookline.storage.analysis.dataset_arrow import export_arrow, require_datasets
     from hookline.storage.analysis.dataset_plan import make_plan, parse_refs
     from hookline.storage.reader import LocalSource
 
     if field is not None and handle is None:
         raise click.UsageError("FIELD needs HANDLE; or name fields with --field 'HANDLE/FIELD'")
+    require_datasets()  # (before any work)
     mask_fn = parse_steps(steps_spec)
     dest = output_path(out, "--out")
     r = open_run_arg(run, tracking_uri)

@@ -25,10 +25,15 @@ from ..reader import Run, open_run
 from .dataset_plan import INDEX_KEYS, Plan, make_plan, parse_refs
 from .dataset_read import Block, iter_blocks
 
-__all__ = ["export_arrow"]
+__all__ = ["export_arrow", "require_datasets"]
 
 
-def _imports() -> tuple[Any, Any]:
+def require_datasets() -> tuple[Any, Any]:
+    """``(datasets, pyarrow)``, imported.
+
+    Raises:
+        MissingDependencyError: either is not installed (the message names the extra).
+    """
     try:
         import datasets
         import pyarrow
@@ -84,7 +89,7 @@ def export_arrow(run: str | os.PathLike[str] | Run, fields: str | Sequence[str],
         >>> datasets.load_from_disk("acts").with_format("torch")[0:8]["outputs[blocks.3]/outputs.0"].shape
         torch.Size([8, 64])
     """
-    datasets, pa = _imports()
+    datasets, pa = require_datasets()
     dest = Path(out)
     if dest.exists():
         raise InvalidArgumentError(f"output {str(dest)!r} exists; remove it or choose another directory")
