@@ -26,7 +26,7 @@ if TYPE_CHECKING:  # (storage is imported when a command runs: `hookline --help`
     from hookline.storage.reader import Field
 
 
-@click.command(context_settings=CONTEXT_SETTINGS, short_help='Export one field of a handle to .npy, .csv or .h5.')
+@click.command(context_settings=CONTEXT_SETTINGS, short_help='Export a field to .npy, .csv or .h5, or aligned fields to Arrow.')
 @click.argument("run", metavar="RUN")
 @click.argument("handle", metavar="HANDLE", required=False)
 @click.argument("field", metavar="FIELD", required=False)

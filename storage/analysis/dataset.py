@@ -24,12 +24,14 @@ from ..errors import HookTypeError, InvalidArgumentError
 from ..local import LocalSource
 from ..reader import Run, open_run
 from .dataset_plan import INDEX_KEYS, UNIT_BYTES, Plan, make_plan, parse_refs, unit_order
-from .dataset_read import Block, ShuffleBuffer, iter_blocks
+from .dataset_read import Block, Window, iter_blocks
 
 __all__ = ["RecordDataset", "RecordRows", "records_per_batch", "BUFFER_BYTES"]
 
-#: The default shuffle buffer holds this many bytes of rows (at most 65536 rows).
+#: The default shuffle buffer (a window) holds this many bytes of rows (at most 65536 rows).
 BUFFER_BYTES = 128 << 20
+#: Rows per block handed from the reader to the per-row iteration when ``batch_rows`` is None.
+ROW_BLOCK = 1024
 
 
 def _count(name: str, value: Any, *, low: int = 1, none: bool = True) -> int | None:
@@ -42,13 +44,15 @@ def _count(name: str, value: Any, *, low: int = 1, none: bool = True) -> int | N
 
 
 def records_per_batch(batch: int, buffer_rows: int, rows_per_record: int) -> float:
-    """The least expected number of distinct records ``batch`` shuffled rows come from, with a
-    shuffle buffer of ``buffer_rows`` rows and records of ``rows_per_record`` rows each.
+    """The expected number of distinct records ``batch`` shuffled rows come from, with a
+    shuffle window of ``buffer_rows`` rows and records of ``rows_per_record`` rows each.
 
-    Rows leave the buffer as a uniform sample of its rows, and no record has more than
-    ``rows_per_record`` (``R``) rows in it; the fewest distinct records are drawn when it holds
-    ``buffer_rows // R`` records of ``R`` rows. Then a record is missed by a batch with the
-    hypergeometric probability ``C(buffer - R, batch) / C(buffer, batch)``.
+    A batch is a uniform sample (without replacement) of one window's rows, and a record has at
+    most ``rows_per_record`` (``R``) rows in a window; with ``buffer_rows // R`` whole records
+    of ``R`` rows in the window, a record is missed by a batch with the hypergeometric
+    probability ``C(buffer - R, batch) / C(buffer, batch)``. Records cut by a unit or window
+    boundary only add records, so this is also a lower bound (a batch that straddles two
+    windows draws from both).
     """
     cap, r = int(buffer_rows), max(1, int(rows_per_record))
     groups = cap // r
@@ -77,10 +81,12 @@ class RecordRows:
             of shape ``(dk,)`` (tokens of a ``(batch, seq, d)`` output are rows); ``"record"``:
             whole records.
         shuffle: read units (chunk-aligned blocks of consecutive records) in a seeded random
-            order and pass rows through a shuffle buffer.
+            order into windows of ``buffer_rows`` rows, and hand each window's rows out in a
+            seeded random order (:func:`records_per_batch` says how well a batch mixes).
         seed: the shuffle's seed; the order depends only on (seed, epoch, workers x ranks).
-        buffer_rows: rows in the shuffle buffer (per worker). None: as many as fit in
-            :data:`BUFFER_BYTES`, at most 65536.
+        buffer_rows: rows in a window (the shuffle buffer; at least one unit's rows). None: as
+            many as fit in :data:`BUFFER_BYTES`, at most 65536. Memory per worker:
+            ``(prefetch + 1) * buffer_rows`` rows.
         batch_rows: yield batches of this many rows (dicts of ``(batch_rows, ...)`` tensors; use
             ``DataLoader(ds, batch_size=None)``) instead of single rows; the fast path.
         steps: only records of these steps.
@@ -93,7 +99,7 @@ class RecordRows:
             rank and world size when it is initialised, else 0 and 1.
         tracking_uri, cache_dir: for ``runs:/`` runs, as in :func:`~hookline.storage.open_run`.
         unit_bytes: bytes of the widest field read per unit.
-        prefetch: units read ahead on the reading thread.
+        prefetch: windows the reading thread fills ahead of the one being handed out.
 
     Raises:
         UnknownNameError: an unknown handle or field (the message lists the available ones).
@@ -107,7 +113,7 @@ class RecordRows:
                  sample_dims: int | Mapping[str, int] | None = None, index: bool = False,
                  rank: int | None = None, world_size: int | None = None, tracking_uri: str | None = None,
                  cache_dir: str | os.PathLike[str] | None = None, unit_bytes: int = UNIT_BYTES,
-                 prefetch: int = 2) -> None:
+                 prefetch: int = 1) -> None:
         self.seed = _count("seed", seed, low=0, none=False)
         self.batch_rows = _count("batch_rows", batch_rows)
         self.prefetch = _count("prefetch", prefetch, none=False)
@@ -116,6 +122,7 @@ class RecordRows:
         self.shuffle = bool(shuffle)
         self.index = bool(index)
         self.epoch = 0
+        self._pool: list[Window] = []  # read windows kept between epochs (memory already mapped)
         opened = not isinstance(run, Run)
         r = open_run(run, tracking_uri=tracking_uri, cache_dir=cache_dir) if opened else run  # type: ignore[arg-type]
         try:
@@ -188,15 +195,14 @@ class RecordRows:
         if _count("shard", shard, low=0, none=False) >= num_shards:  # type: ignore[operator]
             raise InvalidArgumentError(f"shard {shard!r} must be below num_shards {num_shards!r}")
         units = unit_order(self.plan.num_units, self.shuffle, self.seed, self.epoch)[shard::num_shards]
-        buffer = None
-        if self.shuffle:
-            rng = np.random.default_rng([self.seed, self.epoch, num_shards, shard])
-            buffer = ShuffleBuffer(self.buffer_rows, rng)
-        return iter_blocks(self._open, self.plan, units, buffer=buffer, batch_rows=self.batch_rows,
-                           index=self.index, prefetch=self.prefetch)
+        rng = np.random.default_rng([self.seed, self.epoch, num_shards, shard]) if self.shuffle else None
+        return iter_blocks(self._open, self.plan, units, capacity=self.buffer_rows, rng=rng,
+                           batch_rows=self.batch_rows or ROW_BLOCK, index=self.index, windows=self.prefetch + 1,
+                           pool=self._pool)
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
+        state["_pool"] = []  # (buffers of this process: a worker makes its own)
         if state["_dist"] is None and "torch.distributed" in sys.modules:
             # (a spawned DataLoader worker has no process group: it keeps its parent's rank)
             dist = _torch_dist()

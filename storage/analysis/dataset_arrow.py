@@ -27,6 +27,9 @@ from .dataset_read import Block, iter_blocks
 
 __all__ = ["export_arrow", "require_datasets"]
 
+#: Rows per Arrow record batch.
+ARROW_ROWS = 65536
+
 
 def require_datasets() -> tuple[Any, Any]:
     """``(datasets, pyarrow)``, imported.
@@ -124,7 +127,8 @@ def _write_stream(pa: Any, plan: Plan, opener: Callable[[], Run], path: Path,
     n = 0
     units = np.arange(plan.num_units, dtype=np.int64)
     try:
-        for block in iter_blocks(opener, plan, units, buffer=None, batch_rows=None, index=True):
+        for block in iter_blocks(opener, plan, units, capacity=ARROW_ROWS, rng=None, batch_rows=ARROW_ROWS,
+                                 index=True):
             batch = _batch(pa, block, names)
             if writer is None:
                 writer = pa.ipc.new_stream(str(path), batch.schema)

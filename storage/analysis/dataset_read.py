@@ -1,10 +1,12 @@
-"""Reading a dataset plan's units as numpy blocks: one block read per field and unit on a
-prefetch thread, a vectorised shuffle buffer, and re-batching into fixed-size batches.
+"""Reading a dataset plan's units as numpy batches: units are read into reusable *windows* of
+rows on a prefetch thread (one block read per field and unit, straight into the window), and
+batches are gathered out of each window in a seeded random order (or in order).
 
 A *block* is a dict ``key -> array`` whose arrays share their first dimension (rows): the field
 references hold the stored bits (bfloat16 as ``uint16``...; ragged whole records as an object
-array of per-record arrays), the index keys (:data:`~.dataset_plan.INDEX_KEYS`) int64. Needs
-only numpy (torch tensors are made by :mod:`.dataset`).
+array of per-record arrays), the index keys (:data:`~.dataset_plan.INDEX_KEYS`) int64. Every
+block handed out is fresh memory (the windows are reused, so nothing handed out is overwritten
+later). Needs only numpy (torch tensors are made by :mod:`.dataset`).
 """
 
 from __future__ import annotations
@@ -15,11 +17,12 @@ from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
 
+from .. import dtypes
 from ..errors import StorageError
 from ..reader import Field, Run
-from .dataset_plan import Plan
+from .dataset_plan import INDEX_KEYS, Plan
 
-__all__ = ["Block", "read_unit", "prefetched", "ShuffleBuffer", "shuffled", "rebatch", "iter_blocks"]
+__all__ = ["Block", "Window", "prefetched", "Batcher", "iter_blocks"]
 
 Block = dict[str, np.ndarray]
 
@@ -46,19 +49,6 @@ def _index(plan: Plan, a: int, b: int) -> Block:
             "sample": np.arange(total, dtype=np.int64) - np.repeat(starts, counts)}
 
 
-def read_unit(fields: list[Field], plan: Plan, u: int, index: bool = False) -> Block:
-    """Unit ``u`` of ``plan``: one block read per field (a unit's entries are consecutive in
-    every field), as rows."""
-    a, b = int(plan.units[u]), int(plan.units[u + 1])
-    out: Block = {}
-    for j, (fld, key) in enumerate(zip(fields, plan.keys)):
-        lo = int(plan.entries[a, j])
-        out[key] = _as_rows(fld.read_stored(lo, lo + b - a), plan.row_shapes[j], plan.rows)
-    if index:
-        out.update(_index(plan, a, b))
-    return out
-
-
 class _Failure:
     """An exception raised on the prefetch thread, handed to the consumer."""
 
@@ -69,11 +59,12 @@ class _Failure:
 _END = object()
 
 
-def prefetched(produce: Callable[[], Iterable[Any]], depth: int = 2) -> Iterator[Any]:
-    """Iterate ``produce()`` on a background thread, at most ``depth`` items ahead, so that the
-    consumer (the training loop, or a ``DataLoader`` worker's collation) does not wait for the
-    disk. h5py releases the GIL while HDF5 reads. An exception on the thread is raised here;
-    closing this generator early stops the thread."""
+def prefetched(produce: Callable[[threading.Event], Iterable[Any]], depth: int = 2) -> Iterator[Any]:
+    """Iterate ``produce(stop)`` on a background thread, at most ``depth`` items ahead, so that
+    the consumer (the training loop, or a ``DataLoader`` worker's collation) does not wait for
+    the disk. h5py releases the GIL while HDF5 reads. An exception on the thread is raised here;
+    closing this generator early sets ``stop`` (a producer that waits must watch it) and joins
+    the thread."""
     q: queue.Queue[Any] = queue.Queue(max(1, depth))
     stop = threading.Event()
 
@@ -88,7 +79,7 @@ def prefetched(produce: Callable[[], Iterable[Any]], depth: int = 2) -> Iterator
 
     def work() -> None:
         try:
-            for item in produce():
+            for item in produce(stop):
                 if not put(item):
                     return
             put(_END)
@@ -110,86 +101,6 @@ def prefetched(produce: Callable[[], Iterable[Any]], depth: int = 2) -> Iterator
         thread.join()
 
 
-class ShuffleBuffer:
-    """A shuffle buffer of ``capacity`` rows, vectorised: a block of ``r`` incoming rows replaces
-    ``r`` residents chosen at random, which leave in random order (the classic buffer's rule,
-    one fancy-index copy per block instead of a Python step per row). Every row that enters
-    leaves exactly once; :meth:`drain` empties it in random order.
-
-    Each emitted batch is a uniform sample of the buffer's rows, and no record has more rows in
-    the buffer than it gives (``R``), so ``B`` emitted rows come from at least about
-    ``(capacity / R) * (1 - (1 - R / capacity) ** B)`` distinct records (docs/analysis.md).
-    """
-
-    def __init__(self, capacity: int, rng: np.random.Generator) -> None:
-        self.capacity = capacity
-        self.rng = rng
-        self.pool: Block | None = None
-        self.n = 0
-
-    def push(self, block: Block) -> Iterator[Block]:
-        """Take ``block``'s rows in; yield the rows they displace (none while filling)."""
-        n = len(next(iter(block.values())))
-        cap = self.capacity
-        if self.pool is None:
-            self.pool = {k: np.empty((cap, *v.shape[1:]), v.dtype) for k, v in block.items()}
-        pool = self.pool
-        start = min(n, cap - self.n)
-        for k, v in block.items():
-            pool[k][self.n : self.n + start] = v[:start]
-        self.n += start
-        while start < n:
-            r = min(n - start, cap)
-            slots = self.rng.choice(cap, r, replace=False)
-            out = {k: p[slots] for k, p in pool.items()}
-            for k, p in pool.items():
-                p[slots] = block[k][start : start + r]
-            yield out
-            start += r
-
-    def drain(self) -> Iterator[Block]:
-        """The rows left, in random order."""
-        if self.pool is not None and self.n:
-            order = self.rng.permutation(self.n)
-            yield {k: p[: self.n][order] for k, p in self.pool.items()}
-        self.pool, self.n = None, 0
-
-
-def shuffled(blocks: Iterable[Block], buffer: ShuffleBuffer) -> Iterator[Block]:
-    """``blocks`` passed through ``buffer`` (all rows, each once)."""
-    for block in blocks:
-        yield from buffer.push(block)
-    yield from buffer.drain()
-
-
-def _rows_of(block: Block) -> int:
-    return len(next(iter(block.values())))
-
-
-def rebatch(blocks: Iterable[Block], batch_rows: int) -> Iterator[Block]:
-    """Blocks of exactly ``batch_rows`` rows (the last one may be shorter): slices of the
-    incoming blocks where they hold a whole batch, one concatenation where a batch spans two."""
-    pending: list[Block] = []
-    have = 0
-    for block in blocks:
-        n, s = _rows_of(block), 0
-        if pending:
-            s = min(batch_rows - have, n)
-            pending.append({k: v[:s] for k, v in block.items()})
-            have += s
-            if have == batch_rows:
-                yield {k: np.concatenate([p[k] for p in pending]) for k in block}
-                pending, have = [], 0
-        while n - s >= batch_rows:
-            yield {k: v[s : s + batch_rows] for k, v in block.items()}
-            s += batch_rows
-        if s < n:
-            pending.append({k: v[s:] for k, v in block.items()})
-            have += n - s
-    if pending:
-        yield {k: np.concatenate([p[k] for p in pending]) for k in pending[0]}
-
-
 def _fields(run: Run, plan: Plan) -> list[Field]:
     """The plan's fields in a reopened run.
 
@@ -209,24 +120,157 @@ def _fields(run: Run, plan: Plan) -> list[Field]:
     return out
 
 
-def iter_blocks(opener: Callable[[], Run], plan: Plan, units: np.ndarray, *, buffer: ShuffleBuffer | None,
-                batch_rows: int | None, index: bool, prefetch: int = 2) -> Iterator[Block]:
-    """The blocks of ``units`` (in that order): read on a prefetch thread that opens the run
-    itself (``opener``) and closes it at the end, shuffled through ``buffer`` (None: in order),
-    in batches of ``batch_rows`` (None: as read)."""
 
-    def reads() -> Iterator[Block]:
+
+class Window:
+    """A reusable buffer of ``capacity`` rows of every key of a plan that whole units are read
+    into (fixed-shape fields: straight from HDF5 into its memory, no intermediate array).
+
+    Attributes:
+        arrays: key -> ``(capacity, *row_shape)`` array (made on first use).
+        n: rows filled.
+    """
+
+    def __init__(self, plan: Plan, capacity: int, index: bool) -> None:
+        self.capacity = capacity
+        self.n = 0
+        self.arrays: Block = {}
+        for key, name, shape in zip(plan.keys, plan.dtype_names, plan.row_shapes):
+            dt = np.dtype(object) if shape is None else dtypes.info(name).storage
+            self.arrays[key] = np.empty((capacity, *(shape or ())), dt)
+        if index:
+            self.arrays.update({k: np.empty(capacity, np.int64) for k in INDEX_KEYS})
+
+    def add(self, fields: list[Field], plan: Plan, a: int, b: int, rows: int) -> None:
+        """Read aligned records ``[a, b)`` (``rows`` rows; consecutive entries in every field)
+        into the next ``rows`` rows."""
+        end = self.n + rows
+        for j, (fld, key) in enumerate(zip(fields, plan.keys)):
+            dst = self.arrays[key][self.n : end]
+            lo = int(plan.entries[a, j])
+            if fld.shape is not None:  # (rows are contiguous: the records' view of them)
+                fld.read_stored(lo, lo + b - a, out=dst.reshape(b - a, *fld.shape))
+            else:
+                dst[...] = _as_rows(fld.read_stored(lo, lo + b - a), plan.row_shapes[j], plan.rows)
+        if INDEX_KEYS[0] in self.arrays:
+            for k, v in _index(plan, a, b).items():
+                self.arrays[k][self.n : end] = v
+        self.n = end
+
+
+def _rows_of(block: Block) -> int:
+    return len(next(iter(block.values())))
+
+
+class Batcher:
+    """Batches of exactly ``batch_rows`` rows gathered out of successive windows (the last
+    batch of an epoch may be shorter), each window's rows in a random order drawn from ``rng``
+    (None: in order). Rows left over at the end of a window are copied and begin the next
+    batch, so each row is handed out exactly once."""
+
+    def __init__(self, batch_rows: int, rng: np.random.Generator | None) -> None:
+        self.batch_rows = batch_rows
+        self.rng = rng
+        self.carry: Block | None = None
+
+    def feed(self, arrays: Block, n: int) -> Iterator[Block]:
+        """The batches the first ``n`` rows of ``arrays`` complete (copies: the window may be
+        reused once this generator is exhausted)."""
+        order = self.rng.permutation(n) if self.rng is not None else None
+
+        def pick(x: int, y: int) -> Block:
+            if order is None:
+                return {k: v[x:y].copy() for k, v in arrays.items()}
+            return {k: np.take(v, order[x:y], axis=0) for k, v in arrays.items()}
+
+        pos, size = 0, self.batch_rows
+        if self.carry is not None:
+            pos = min(size - _rows_of(self.carry), n)
+            more = pick(0, pos)
+            merged = {k: np.concatenate([v, more[k]]) for k, v in self.carry.items()}
+            self.carry = None
+            if _rows_of(merged) < size:
+                self.carry = merged
+                return
+            yield merged
+        while n - pos >= size:
+            yield pick(pos, pos + size)
+            pos += size
+        if pos < n:
+            self.carry = pick(pos, n)
+
+    def flush(self) -> Iterator[Block]:
+        """The last, shorter batch (if rows are left)."""
+        if self.carry is not None:
+            yield self.carry
+            self.carry = None
+
+
+def _windows(plan: Plan, cap: int, index: bool, count: int, pool: list[Window] | None) -> list[Window]:
+    """``count`` windows of ``cap`` rows: taken from ``pool`` (windows of an earlier epoch,
+    whose memory is already mapped) where they fit, else new."""
+    keys = set(plan.keys) | (set(INDEX_KEYS) if index else set())
+    out: list[Window] = []
+    for w in list(pool or ()):
+        if len(out) < count and w.capacity == cap and set(w.arrays) == keys:
+            pool.remove(w)  # type: ignore[union-attr]
+            out.append(w)
+    return out + [Window(plan, cap, index) for _ in range(count - len(out))]
+
+
+def iter_blocks(opener: Callable[[], Run], plan: Plan, units: np.ndarray, *, capacity: int,
+                rng: np.random.Generator | None, batch_rows: int, index: bool, windows: int = 2,
+                pool: list[Window] | None = None) -> Iterator[Block]:
+    """Batches of ``batch_rows`` rows of ``units`` (in that order): read into ``windows``
+    reusable windows of ``capacity`` rows (at least one unit) on a prefetch thread that opens the
+    run itself (``opener``) and closes it at the end; each window's rows come out in a random
+    order from ``rng`` (None: in order). Windows come from and go back to ``pool`` (reused by
+    the next epoch: fresh memory costs a page fault per page)."""
+    cum = np.concatenate([[0], np.cumsum(plan.counts)])
+    bounds = plan.units
+    unit_rows = cum[bounds[1:]] - cum[bounds[:-1]]
+    cap = max(int(capacity), int(unit_rows[units].max()) if len(units) else 1)
+    mine = _windows(plan, cap, index, max(1, windows), pool)
+    free: queue.Queue[Window] = queue.Queue()
+    for w in mine:
+        free.put(w)
+
+    def fill(stop: threading.Event) -> Iterator[Window]:
         run = opener()
         try:
             fields = _fields(run, plan)
+            win: Window | None = None
             for u in units:
-                yield read_unit(fields, plan, int(u), index)
+                a, b, rows = int(bounds[u]), int(bounds[u + 1]), int(unit_rows[u])
+                if win is None or win.n + rows > cap:
+                    if win is not None:
+                        yield win
+                    win = _next_free(free, stop)
+                    if win is None:
+                        return
+                    win.n = 0
+                win.add(fields, plan, a, b, rows)
+            if win is not None and win.n:
+                yield win
         finally:
             run.close()
 
-    blocks: Iterator[Block] = prefetched(reads, prefetch)
-    if buffer is not None:
-        blocks = shuffled(blocks, buffer)
-    if batch_rows is not None:
-        blocks = rebatch(blocks, batch_rows)
-    return blocks
+    batcher = Batcher(batch_rows, rng)
+    try:
+        for win in prefetched(fill, depth=1):
+            yield from batcher.feed(win.arrays, win.n)
+            free.put(win)
+        yield from batcher.flush()
+    finally:  # (the reading thread has stopped: prefetched joined it)
+        if pool is not None:
+            pool.extend(mine)
+
+
+def _next_free(free: queue.Queue[Window], stop: threading.Event) -> Window | None:
+    """A window the consumer is done with (None once ``stop`` is set)."""
+    while not stop.is_set():
+        try:
+            return free.get(timeout=0.1)
+        except queue.Empty:
+            continue
+    return None
