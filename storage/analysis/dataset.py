@@ -189,8 +189,10 @@ class RecordRows:
         return rank * num_workers + worker, world * num_workers
 
     def blocks(self, shard: int = 0, num_shards: int = 1) -> Iterator[Block]:
-        """numpy blocks of shard ``shard`` of ``num_shards`` for this epoch: every ``num_shards``-th
-        unit of the epoch's unit order, from ``shard`` on (every row is in exactly one shard)."""
+        """The numpy batches of shard ``shard`` of ``num_shards`` for this epoch (``batch_rows``
+        rows each, or :data:`ROW_BLOCK` without it; the last may be shorter): every
+        ``num_shards``-th unit of the epoch's unit order, from ``shard`` on, so every row is in
+        exactly one shard."""
         num_shards = _count("num_shards", num_shards, none=False)  # type: ignore[assignment]
         if _count("shard", shard, low=0, none=False) >= num_shards:  # type: ignore[operator]
             raise InvalidArgumentError(f"shard {shard!r} must be below num_shards {num_shards!r}")

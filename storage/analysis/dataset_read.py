@@ -229,7 +229,9 @@ def iter_blocks(opener: Callable[[], Run], plan: Plan, units: np.ndarray, *, cap
     cum = np.concatenate([[0], np.cumsum(plan.counts)])
     bounds = plan.units
     unit_rows = cum[bounds[1:]] - cum[bounds[:-1]]
-    cap = max(int(capacity), int(unit_rows[units].max()) if len(units) else 1)
+    # (a window holds at least one unit, and no more rows than the shard has)
+    mine_rows = unit_rows[units]
+    cap = max(min(int(capacity), int(mine_rows.sum())), int(mine_rows.max()) if len(units) else 1, 1)
     mine = _windows(plan, cap, index, max(1, windows), pool)
     free: queue.Queue[Window] = queue.Queue()
     for w in mine:
