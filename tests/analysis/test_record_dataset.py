@@ -236,3 +236,21 @@ def test_the_linear_probe_example_in_docs_runs_as_written(tmp_path):
                        env=env)
     assert r.returncode == 0, r.stdout + r.stderr
     assert re.search(r"probe accuracy: (0\.9\d*|1\.0)", r.stdout), r.stdout
+
+
+def test_an_mlflow_run_reads_like_a_local_one(tmp_path, mlflow_server):
+    from mlflow import MlflowClient
+
+    from hookline.storage import sync
+
+    run = write_run(tmp_path / "run", steps=3)
+    client = MlflowClient(mlflow_server)
+    run_id = client.create_run(client.create_experiment("record-dataset")).info.run_id
+    assert sync(run, run_id, tracking_uri=mlflow_server).ok
+    ds = RecordDataset(f"runs:/{run_id}", [A, B], shuffle=True, batch_rows=5, tracking_uri=mlflow_server,
+                       cache_dir=tmp_path / "cache")
+    local = RecordDataset(run, [A, B], shuffle=True, batch_rows=5)
+    want = [keys_of(b[A]) for b in local]
+    assert [keys_of(b[A]) for b in ds] == want
+    # a copy (a worker) reopens the URI and reads the same download cache
+    assert [keys_of(b[B]) for b in pickle.loads(pickle.dumps(ds))] == want
