@@ -254,3 +254,15 @@ def test_an_mlflow_run_reads_like_a_local_one(tmp_path, mlflow_server):
     assert [keys_of(b[A]) for b in ds] == want
     # a copy (a worker) reopens the URI and reads the same download cache
     assert [keys_of(b[B]) for b in pickle.loads(pickle.dumps(ds))] == want
+
+
+def test_read_stored_fills_a_given_buffer_or_says_what_fits(tmp_path):
+    run = write_run(tmp_path / "bf", steps=2, bf16=True)
+    fld = open_run(run)["outputs[a]"]["outputs.0"]
+    out = np.empty((3, 2, 3, 7), np.uint16)
+    assert fld.read_stored(1, 4, out=out) is out
+    np.testing.assert_array_equal(out, fld.read_stored(1, 4))  # the stored bits, as read without out
+    np.testing.assert_array_equal((out.astype(np.uint32) << 16).view(np.float32), fld[1:4])
+    with pytest.raises(InvalidArgumentError, match=r"out must be a C-contiguous uint16 array of shape "
+                                                   r"\(3, 2, 3, 7\) .*got float32 \(3, 2, 3, 7\)"):
+        fld.read_stored(1, 4, out=np.empty((3, 2, 3, 7), np.float32))
