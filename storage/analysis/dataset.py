@@ -188,15 +188,27 @@ class RecordRows:
         rank, world = self._dist if self._dist is not None else _torch_dist()
         return rank * num_workers + worker, world * num_workers
 
+    def shard_rows(self, shard: int, num_shards: int) -> int:
+        """Rows (batches: divide by ``batch_rows``, rounding up) shard ``shard`` of ``num_shards``
+        gets this epoch; e.g. the fewest over all ranks' shards is how many steps every DDP rank
+        can run."""
+        units = self._units(shard, num_shards)
+        cum = np.concatenate([[0], np.cumsum(self.plan.counts)])
+        b = self.plan.units
+        return int((cum[b[units + 1]] - cum[b[units]]).sum())
+
+    def _units(self, shard: int, num_shards: int) -> np.ndarray:
+        num_shards = _count("num_shards", num_shards, none=False)  # type: ignore[assignment]
+        if _count("shard", shard, low=0, none=False) >= num_shards:  # type: ignore[operator]
+            raise InvalidArgumentError(f"shard {shard!r} must be below num_shards {num_shards!r}")
+        return unit_order(self.plan.num_units, self.shuffle, self.seed, self.epoch)[shard::num_shards]
+
     def blocks(self, shard: int = 0, num_shards: int = 1) -> Iterator[Block]:
         """The numpy batches of shard ``shard`` of ``num_shards`` for this epoch (``batch_rows``
         rows each, or :data:`ROW_BLOCK` without it; the last may be shorter): every
         ``num_shards``-th unit of the epoch's unit order, from ``shard`` on, so every row is in
         exactly one shard."""
-        num_shards = _count("num_shards", num_shards, none=False)  # type: ignore[assignment]
-        if _count("shard", shard, low=0, none=False) >= num_shards:  # type: ignore[operator]
-            raise InvalidArgumentError(f"shard {shard!r} must be below num_shards {num_shards!r}")
-        units = unit_order(self.plan.num_units, self.shuffle, self.seed, self.epoch)[shard::num_shards]
+        units = self._units(shard, num_shards)
         rng = np.random.default_rng([self.seed, self.epoch, num_shards, shard]) if self.shuffle else None
         return iter_blocks(self._open, self.plan, units, capacity=self.buffer_rows, rng=rng,
                            batch_rows=self.batch_rows or ROW_BLOCK, index=self.index, windows=self.prefetch + 1,

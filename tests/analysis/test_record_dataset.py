@@ -176,6 +176,15 @@ def test_reads_whole_units_never_a_read_per_row(run_dir, monkeypatch):
     assert len(calls) == 2 * ds.plan.num_units == 2 * 6 and set(calls) == {4}  # 4 records per read
 
 
+def test_shard_rows_say_what_each_shard_gets(run_dir):
+    ds = RecordDataset(run_dir, [A, B], shuffle=True, unit_bytes=96, batch_rows=5)
+    ds.set_epoch(2)
+    got = [sum(len(b[A]) for b in ds.blocks(s, 3)) for s in range(3)]
+    assert [ds.shard_rows(s, 3) for s in range(3)] == got and sum(got) == ds.num_rows
+    with pytest.raises(InvalidArgumentError, match="shard 3 must be below num_shards 3"):
+        ds.shard_rows(3, 3)
+
+
 def test_mixing_meets_the_documented_bound(tmp_path):
     run = write_run(tmp_path / "mix", steps=64, calls=1, batch=4, seq=8)  # 64 records of 32 rows
     batch = 32
