@@ -9,6 +9,7 @@ import re
 import subprocess
 import sys
 import threading
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -17,7 +18,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from _dataset_support import A, B, BF16_SPECIAL, bf16_bits, expected_keys, keys_of, record, write_run
-from hookline.storage import HooklineError, InvalidArgumentError, RecordDataset, StorageError, open_run
+from hookline.storage import HooklineError, InvalidArgumentError, RecordDataset, RunWriter, StorageError, open_run
 from hookline.storage.analysis.dataset import records_per_batch
 from hookline.storage.reader import Field
 
@@ -275,3 +276,23 @@ def test_read_stored_fills_a_given_buffer_or_says_what_fits(tmp_path):
     with pytest.raises(InvalidArgumentError, match=r"out must be a C-contiguous uint16 array of shape "
                                                    r"\(3, 2, 3, 7\) .*got float32 \(3, 2, 3, 7\)"):
         fld.read_stored(1, 4, out=np.empty((3, 2, 3, 7), np.float32))
+
+
+def test_float8_complex32_and_unsigned_fields_arrive_as_their_own_dtype(tmp_path):
+    f8 = torch.randn(2, 4).to(torch.float8_e4m3fn)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # (torch, once per process: ComplexHalf is experimental)
+        c32 = torch.randn(2, 4, dtype=torch.complex64).to(torch.complex32)
+    with RunWriter(tmp_path / "dt") as w:
+        w.add_handle("outputs[m]", module_name="m", module_type="M", category="forward_hook", hook_fn_name="outputs")
+        w.write("outputs[m]", 0, 0, {"outputs.0": (f8.view(torch.uint8).numpy(), "float8_e4m3fn"),
+                                     "outputs.1": (c32.view(torch.int32).numpy().view(np.uint32), "complex32"),
+                                     "outputs.2": np.array([7, 65535], np.uint16)})
+    refs = [f"outputs[m]/outputs.{i}" for i in range(3)]
+    ds = RecordDataset(tmp_path / "dt", refs, sample_dims={refs[2]: 1}, batch_rows=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        (b,) = list(ds)
+    assert torch.equal(b[refs[0]].view(torch.uint8), f8.view(torch.uint8)) and b[refs[0]].dtype == f8.dtype
+    assert torch.equal(b[refs[1]].view(torch.int32), c32.view(torch.int32)) and b[refs[1]].dtype == c32.dtype
+    assert b[refs[2]].dtype == torch.uint16 and b[refs[2]].tolist() == [7, 65535]
