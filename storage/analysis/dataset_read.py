@@ -258,12 +258,14 @@ def iter_blocks(opener: Callable[[], Run], plan: Plan, units: np.ndarray, *, cap
             run.close()
 
     batcher = Batcher(batch_rows, rng)
+    reads = prefetched(fill, depth=1)
     try:
-        for win in prefetched(fill, depth=1):
+        for win in reads:
             yield from batcher.feed(win.arrays, win.n)
             free.put(win)
         yield from batcher.flush()
-    finally:  # (the reading thread has stopped: prefetched joined it)
+    finally:
+        reads.close()  # (stops and joins the reading thread: the windows are free again)
         if pool is not None:
             pool.extend(mine)
 

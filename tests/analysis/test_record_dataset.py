@@ -205,10 +205,15 @@ def test_mixing_meets_the_documented_bound(tmp_path):
 
 def test_stopping_early_stops_the_reader_thread(run_dir):
     before = threading.active_count()
-    it = iter(RecordDataset(run_dir, [A, B], unit_bytes=96, prefetch=1))
+    ds = RecordDataset(run_dir, [A, B], unit_bytes=96, prefetch=1, shuffle=True, buffer_rows=30)
+    it = iter(ds)
     next(it)
     it.close()
     assert threading.active_count() == before
+    # the next epoch reuses the windows the stopped one gave back, and still gives every row once
+    assert len(ds._pool) == 2
+    a, b = _rows(ds)
+    assert sorted(keys_of(a)) == expected_keys() and torch.equal(a[:, :3], b[:, :3]) and len(ds._pool) == 2
 
 
 def test_a_read_error_reaches_the_training_loop(tmp_path):
