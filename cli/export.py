@@ -1,4 +1,5 @@
-"""``hookline export RUN HANDLE FIELD``: one field's records to .npy, .csv or .h5."""
+"""``hookline export RUN HANDLE FIELD``: one field's records to .npy, .csv or .h5; aligned fields
+as a Hugging Face ``datasets`` directory with ``--format arrow`` (:mod:`.export_arrow`)."""
 
 from __future__ import annotations
 
@@ -25,35 +26,54 @@ if TYPE_CHECKING:  # (storage is imported when a command runs: `hookline --help`
     from hookline.storage.reader import Field
 
 
-@click.command(context_settings=CONTEXT_SETTINGS, short_help='Export one field of a handle to .npy, .csv or .h5.')
+@click.command(context_settings=CONTEXT_SETTINGS, short_help='Export a field to .npy, .csv or .h5, or aligned fields to Arrow.')
 @click.argument("run", metavar="RUN")
-@click.argument("handle", metavar="HANDLE")
-@click.argument("field", metavar="FIELD")
-@click.option("--format", "fmt", type=click.Choice(["npy", "csv", "h5"]), required=True,
+@click.argument("handle", metavar="HANDLE", required=False)
+@click.argument("field", metavar="FIELD", required=False)
+@click.option("--format", "fmt", type=click.Choice(["npy", "csv", "h5", "arrow"]), required=True,
               help="npy: one array (records, *shape); csv: one row per record (step, call, "
-                   "flattened values); h5: datasets step, call, data (ragged: one dataset per record).")
-@click.option("--out", "out", type=click.Path(dir_okay=False), required=True, metavar="PATH",
-              help="Output file.")
+                   "flattened values); h5: datasets step, call, data (ragged: one dataset per record); "
+                   "arrow: a datasets.load_from_disk directory, one column per field, aligned rows.")
+@click.option("--out", "out", type=click.Path(), required=True, metavar="PATH",
+              help="Output file (a directory for --format arrow).")
+@click.option("--field", "refs", multiple=True, metavar="HANDLE/FIELD",
+              help="--format arrow: a field to export (repeatable; default: HANDLE's fields, or every field).")
+@click.option("--rows", type=click.Choice(["sample", "record"]), default="sample", show_default=True,
+              help="--format arrow: one row per sample (a (..., d) record gives rows of (d,)) or per record.")
 @click.option("--steps", "steps_spec", metavar="SPEC", default=None,
               help="Only these steps: '0,10,20', ranges 'start:stop[:stride]' (stop exclusive, "
                    "e.g. '0:100', ':50', '100:'), or a mix. Default: all records.")
 @click.option("--force", is_flag=True, help="Overwrite PATH if it exists.")
 @quiet_option
 @tracking_uri_option
-def export(run: str, handle: str, field: str, fmt: str, out: str, steps_spec: str | None,
-           force: bool, quiet: bool, tracking_uri: str | None) -> None:
+def export(run: str, handle: str | None, field: str | None, fmt: str, out: str, refs: tuple[str, ...], rows: str,
+           steps_spec: str | None, force: bool, quiet: bool, tracking_uri: str | None) -> None:
     """Export one field of one handle to a .npy, .csv or .h5 file, record by record.
 
     Records are written in their stored order (by step, then call); every record of a selected
     step is exported. npy and csv need a fixed per-record shape; a ragged field exports to h5.
     A .npy export also writes PATH.steps.csv listing each row's step and call.
 
+    --format arrow writes a directory that datasets.load_from_disk reads: one column per field
+    (named HANDLE/FIELD), rows aligned on (rank, step, call) and sample, plus columns step, call,
+    rank, sample. It needs pip install "hookline[datasets]".
+
     \b
     Example:
       hookline export runs/baseline 'grads[fc1]' grad_out.0 --format npy --out g.npy
       hookline export runs/baseline 'outputs[fc2]' outputs.0 --format csv --out o.csv --steps 0:100
       hookline export runs:/0a1b... 'grads[fc1]' grad_out.0 --format h5 --out g.h5 --steps 0,10,20
+      hookline export runs/baseline --format arrow --out acts --field 'outputs[fc1]/outputs.0'
     """
+    if fmt == "arrow":
+        from .export_arrow import export_arrow_command
+
+        export_arrow_command(run, handle, field, refs, rows, out, steps_spec, force, quiet, tracking_uri)
+        return
+    if handle is None or field is None:
+        raise click.UsageError(f"--format {fmt} exports one field: give HANDLE and FIELD")
+    if Path(out).is_dir():
+        raise click.UsageError(f"--out {out!r} is a directory; --format {fmt} writes a file")
     from hookline.storage.words import plural
 
     mask_fn = parse_steps(steps_spec)

@@ -61,6 +61,7 @@ _LAZY = {
     "METRICS": "compare",
     "similarity": "compare",
     "frame": "analysis.across",
+    "RecordDataset": "analysis.dataset",
 }
 
 __all__ = [

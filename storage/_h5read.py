@@ -195,10 +195,14 @@ class PartField:
             off = int(self.offsets[j])
             return self.ds[off : off + math.prod(shp)].reshape(shp)
 
-    def read_block(self, a: int, b: int) -> np.ndarray:
-        """Entries ``[a, b)`` of a fixed field, stacked, stored dtype."""
+    def read_block(self, a: int, b: int, out: np.ndarray | None = None) -> np.ndarray:
+        """Entries ``[a, b)`` of a fixed field, stacked, stored dtype; into ``out`` (C-contiguous,
+        shape ``(b - a, *shape)``) when given, without an intermediate array."""
         with _reading(self._where, f"field {self.name!r}: entries [{a}, {b})"):
-            return self.ds[a:b]
+            if out is None:
+                return self.ds[a:b]
+            self.ds.read_direct(out, np.s_[a:b])
+            return out
 
 
 @contextmanager

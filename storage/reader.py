@@ -591,14 +591,43 @@ class Field:
             return self._gather(list(range(a, b, step)))
         if b <= a:
             return np.zeros((0, *self._shape), self.dtype)
+        return dtypes.decode(self.read_stored(a, b), self.dtype_name)
+
+    def read_stored(self, start: int, stop: int, out: np.ndarray | None = None) -> np.ndarray | list[np.ndarray]:
+        """Entries ``[start, stop)`` as stored: raw bits for dtypes numpy lacks (bfloat16 as
+        ``uint16``, see :mod:`~.dtypes`), one block read per file part, stacked on a new axis 0
+        (a list of per-entry arrays when ragged). For readers that convert blocks themselves
+        (exact torch tensors without a float32 round trip).
+
+        Args:
+            start, stop: the entries (clipped to the field, as a slice).
+            out: a C-contiguous array of shape ``(stop - start, *shape)`` and the stored dtype
+                to read into (fixed-shape fields), so a reader can reuse its buffers.
+
+        Raises:
+            InvalidArgumentError: ``out`` does not fit (or the field is ragged).
+        """
+        start, stop, _ = slice(start, stop).indices(self._n)
+        stop = max(start, stop)
+        if out is not None and (self._shape is None or out.shape != (stop - start, *self._shape)
+                                or out.dtype != self._info.storage or not out.flags.c_contiguous):
+            raise InvalidArgumentError(
+                f"out must be a C-contiguous {self._info.storage} array of shape {(stop - start, *(self._shape or ()))} "
+                f"for entries [{start}, {stop}) of {self.name!r}, got {out.dtype} {out.shape}"
+                + (" (the field is ragged: read without out)" if self._shape is None else ""))
+        if self._shape is None:
+            return [self._stored(i) for i in range(start, stop)]
         blocks = []
         for s, (_, pf) in enumerate(self._segs):
             lo, hi = int(self._cum[s]), int(self._cum[s + 1])
-            x, y = max(a, lo), min(b, hi)
+            x, y = max(start, lo), min(stop, hi)
             if x < y:
-                blocks.append(pf.read_block(x - lo, y - lo))
-        stored = blocks[0] if len(blocks) == 1 else np.concatenate(blocks)
-        return dtypes.decode(stored, self.dtype_name)
+                blocks.append(pf.read_block(x - lo, y - lo, None if out is None else out[x - start : y - start]))
+        if out is not None:
+            return out
+        if not blocks:
+            return np.zeros((0, *self._shape), self._info.storage)
+        return blocks[0] if len(blocks) == 1 else np.concatenate(blocks)
 
     def _gather(self, idx: Sequence[int]) -> np.ndarray | list[np.ndarray]:
         recs = [self[int(i)] for i in idx]
