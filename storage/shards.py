@@ -87,6 +87,16 @@ def _concat_shapes(values: list[tuple[int, ...]], dim: int) -> tuple[int, ...]:
     return tuple(out)
 
 
+def _fixed_shape(f: Any) -> tuple[int, ...] | None:
+    """A rank's per-record shard shape; the storage counts a field with empty records (an empty
+    trailing shard of an uneven split) as ragged, so those are checked record by record (their
+    shapes only, no data)."""
+    if f.shape is not None or not len(f):
+        return f.shape
+    shapes = {f.record_shape(j) for j in range(len(f))}
+    return shapes.pop() if len(shapes) == 1 else None
+
+
 class _Mesh:
     """The ranks of one device mesh that recorded a field: who stored which coordinate."""
 
@@ -207,7 +217,7 @@ class LogicalField:
         """Logical per-record shape, or None when it varies (or a shard's shape varies)."""
         shapes = set()
         for m in self._meshes:
-            local = {c: self.local(r).shape for c, r in m.stored.items()}
+            local = {c: _fixed_shape(self.local(r)) for c, r in m.stored.items()}
             if any(s is None for s in local.values()):
                 return None
             shapes.add(_fold(local, m.placements, _concat_shapes, lambda v, op: v[0]))
@@ -325,7 +335,7 @@ def _check_layout(handle: Any, name: str, rank: int, lay: dict[str, Any]) -> Non
           and len(lay["placements"]) == len(lay["mesh_shape"]) == len(lay["coordinate"]))
     if not ok:
         raise FormatError(f"rank {rank}'s DTensor layout of field {name!r} of handle {handle.id!r} is malformed "
-                          f"({str(lay)[:200]}); run `hookline verify`, or read the local shards per rank")
+                          f"({str(lay)[:200]}); read the local shards per rank with run.handle(handle_id, rank=r)")
 
 
 def logical_field(handle: Any, name: str, rank_metas: list[tuple[int | None, dict[str, Any]]]) -> LogicalField | None:
