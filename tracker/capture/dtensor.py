@@ -87,6 +87,24 @@ class ShardLayout:
                 "stored": self.stores}
 
 
+#: (id(mesh), placements) -> (mesh, layout): a layout is made once per mesh and placements, not
+#: per firing (reading the mesh's rank table costs a few microseconds).
+_LAYOUTS: dict[tuple[int, Any], tuple[Any, ShardLayout]] = {}
+
+
+def _layout_of(t: Any) -> ShardLayout:
+    mesh, placements = t.device_mesh, t.placements
+    key = (id(mesh), placements)
+    hit = _LAYOUTS.get(key)
+    if hit is not None and hit[0] is mesh:
+        return hit[1]
+    layout = ShardLayout(t)
+    if len(_LAYOUTS) >= 256:  # bounded: meshes made and dropped in a loop
+        _LAYOUTS.clear()
+    _LAYOUTS[key] = (mesh, layout)
+    return layout
+
+
 def local_shard(name: str, t: Any, batch_slice: int | None) -> tuple[torch.Tensor, ShardLayout]:
     """The local shard of DTensor ``t`` (detached, sliced) and its layout.
 
@@ -94,8 +112,9 @@ def local_shard(name: str, t: Any, batch_slice: int | None) -> tuple[torch.Tenso
         InvalidArgumentError: ``batch_slice`` on a tensor sharded along dimension 0 (the first K
             items of the logical tensor are not the first K of each shard).
     """
-    layout = ShardLayout(t)
-    local = t.detach().to_local()
+    layout = _layout_of(t)
+    with torch.no_grad():  # to_local() then hands back the local tensor itself, not an autograd op
+        local = t.to_local().detach()
     if batch_slice is not None and local.dim() > 0:
         if "shard:0" in layout.placements or f"shard:{-t.dim()}" in layout.placements:
             raise InvalidArgumentError(
