@@ -17,6 +17,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.debug import CommDebugMode
 from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel, SequenceParallel,
                                                parallelize_module)
 
@@ -97,15 +98,20 @@ def _record(rank: int, mesh_shape: tuple[int, ...], root: Path, result: dict) ->
         HookManager().register_forward_hook(single.outputs, **{n: getattr(ref, n) for n in NAMES})
     dp = mesh["dp"].get_local_rank() if "dp" in names else 0
     g = torch.Generator().manual_seed(100 + dp)  # data differs across dp, not across tp
+    comm: list[int] = []  # collectives of each recorded step (torch's CommDebugMode counts them)
     for step in range(STEPS):
         x = torch.randn(BATCH, SEQ, D_IN, generator=g)
-        with rec.step(step), late.step(step):
+        with rec.step(step), late.step(step), CommDebugMode() as counted:
             model(x).full_tensor().square().sum().backward()
+        comm.append(counted.get_total_counts())
         if single is not None:
             with single.step(step):
                 ref(x).square().sum().backward()
         else:
             ref(x).square().sum().backward()
+    with rec.paused(), late.paused(), CommDebugMode() as counted:  # the same step, hooks suspended
+        model(x).full_tensor().square().sum().backward()
+    result["comm"] = {"recorded": comm, "paused": counted.get_total_counts()}
     rec.close()
     if single is not None:
         single.close()

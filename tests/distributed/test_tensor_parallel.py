@@ -43,6 +43,14 @@ def test_logical_outputs_and_gradients_equal_the_unsharded_model(tp):
             np.testing.assert_allclose(f.norms(), [np.linalg.norm(t.numpy()) for t in ref], rtol=1e-5)
 
 
+def test_no_collective_in_hooks(tp):
+    """A recorded step runs exactly the collectives of the same step with the hooks suspended."""
+    _, results = tp
+    for r in results:
+        assert r["comm"]["paused"] > 0  # (the count sees the model's own collectives)
+        assert r["comm"]["recorded"] == [r["comm"]["paused"]] * STEPS
+
+
 def test_layouts_local_shards_and_replicated_stored_once(tp):
     root, _ = tp
     run = open_run(root / "tp")
