@@ -16,12 +16,14 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.debug import CommDebugMode
 from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel, SequenceParallel,
                                                parallelize_module)
 
+from hookline.storage import InvalidArgumentError
 from hookline.tracker import HookManager, Recorder
+from hookline.tracker.capture.dtensor import local_shard
 
 STEPS = 2
 NAMES = ["inp", "norm", "up", "act", "down"]
@@ -91,6 +93,8 @@ def _record(rank: int, mesh_shape: tuple[int, ...], root: Path, result: dict) ->
     mgr.register_forward_hook(rec.outputs, **modules)
     mgr.register_backward_hook(rec.grads, **modules)
     mgr.register_forward_hook(rec.inputs, up=model.up)
+    mgr.register_forward_hook(rec.hook("outputs", mode="stats"), up=model.up)  # the local shard's stats
+    mgr.register_forward_hook(rec.hook("outputs", batch_slice=1, name="first"), up=model.up)
     HookManager().register_forward_hook(late.outputs, up=model.up, down=model.down)
     single = None
     if rank == 0:  # the unsharded model recorded by hookline too, as a single-process run
@@ -112,6 +116,10 @@ def _record(rank: int, mesh_shape: tuple[int, ...], root: Path, result: dict) ->
     with rec.paused(), late.paused(), CommDebugMode() as counted:  # the same step, hooks suspended
         model(x).full_tensor().square().sum().backward()
     result["comm"] = {"recorded": comm, "paused": counted.get_total_counts()}
+    try:  # batch_slice cannot keep the first items of a tensor sharded along dimension 0
+        local_shard("outputs.0", DTensor.from_local(torch.ones(2, 3), mesh["tp"], [Shard(0)], run_check=False), 1)
+    except InvalidArgumentError as e:
+        result["refused"] = str(e)
     rec.close()
     if single is not None:
         single.close()

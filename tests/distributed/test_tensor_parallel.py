@@ -81,6 +81,23 @@ def test_layouts_local_shards_and_replicated_stored_once(tp):
     assert not np.allclose(parts[0], gi[1])
 
 
+def test_stats_and_batch_slice_of_dtensor_fields(tp):
+    root, results = tp
+    run = open_run(root / "tp")
+    for r in (0, 1):  # stats summarise the rank's local shard
+        local = run.handle("outputs[up]", rank=r)["outputs.0"]
+        norms = run.handle("outputs.stats[up]", rank=r)["outputs.0.norm"].read()
+        np.testing.assert_allclose(norms.ravel(), [np.linalg.norm(local[i]) for i in range(STEPS)], rtol=1e-5)
+    assert "outputs.0" in run.handle("outputs.stats[up]", rank=0).meta["dtensor"]
+    first = run["first[up]"]["outputs.0"]  # sharded along the features: the logical first item
+    ref = results[0]["seen"]["outputs"]["up"]
+    assert first.shape == (1, SEQ, HIDDEN)
+    for i in range(STEPS):
+        np.testing.assert_allclose(first[i], ref[i][:1].numpy(), rtol=1e-5, atol=1e-6)
+    for r in results:  # ... and refused where the shards split dimension 0
+        assert "sharded along dimension 0" in r["refused"] and "batch_slice=1" in r["refused"]
+
+
 def test_compare_tensor_parallel_with_a_single_process_run(tp):
     root, _ = tp
     res = compare_runs(root / "tp", root / "ref", handles="outputs[*]")
