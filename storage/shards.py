@@ -100,13 +100,13 @@ def _fixed_shape(f: Any) -> tuple[int, ...] | None:
 class _Mesh:
     """The ranks of one device mesh that recorded a field: who stored which coordinate."""
 
-    def __init__(self, name: str, layouts: dict[int, dict[str, Any]]) -> None:
+    def __init__(self, what: str, layouts: dict[int, dict[str, Any]]) -> None:
         first = next(iter(layouts.values()))
         self.placements = [parse_placement(p) for p in first["placements"]]
         self.mesh_ranks = [int(r) for r in first["mesh_ranks"]]
         for r, lay in layouts.items():
             if lay["placements"] != first["placements"] or lay["mesh_shape"] != first["mesh_shape"]:
-                raise FormatError(f"field {name!r}: rank {r} recorded placements {lay['placements']} on mesh "
+                raise FormatError(f"{what}: rank {r} recorded placements {lay['placements']} on mesh "
                                   f"{lay['mesh_shape']}, rank {next(iter(layouts))} {first['placements']} on "
                                   f"{first['mesh_shape']}; read the local shards per rank")
         #: mesh coordinate -> rank, of the ranks that stored the tensor
@@ -115,7 +115,7 @@ class _Mesh:
         self.lead = self.stored.get((0,) * ndim)
         missing = [r for r in self.mesh_ranks if r not in layouts]
         if missing or self.lead is None:
-            raise FormatError(f"field {name!r} is a DTensor over ranks {self.mesh_ranks}, but rank(s) "
+            raise FormatError(f"{what} is a DTensor over ranks {self.mesh_ranks}, but rank(s) "
                               f"{missing or [self.mesh_ranks[0]]} have no data of it in this run; read "
                               f"the local shards per rank with run.handle(handle_id, rank=r)")
 
@@ -141,7 +141,7 @@ class LogicalField:
         by_mesh: dict[tuple[int, ...], dict[int, dict[str, Any]]] = {}
         for r, lay in sorted(layouts.items()):
             by_mesh.setdefault(tuple(lay["mesh_ranks"]), {})[r] = lay
-        self._meshes = sorted((_Mesh(f"{name}' of handle '{handle.id}", lays) for lays in by_mesh.values()),
+        self._meshes = sorted((_Mesh(f"field {name!r} of handle {handle.id!r}", lays) for lays in by_mesh.values()),
                               key=lambda m: m.lead)
         self.meshes = [list(m.mesh_ranks) for m in self._meshes]
         self.placements = list(next(iter(layouts.values()))["placements"])
