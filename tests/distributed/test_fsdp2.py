@@ -13,6 +13,8 @@ from _fsdp_worker import STEPS, VARIANTS, train
 from _launch import spawn
 from hookline.storage import open_run
 
+pytestmark = pytest.mark.slow  # gloo process groups: process start-up dominates
+
 
 @pytest.fixture(scope="module")
 def fsdp(tmp_path_factory):

@@ -11,6 +11,8 @@ from _launch import spawn
 from _tp_worker import NAMES, STEPS, train
 from hookline.storage import open_run
 
+pytestmark = pytest.mark.slow  # gloo process groups: process start-up dominates
+
 
 @pytest.fixture(scope="module")
 def mesh2d(tmp_path_factory):

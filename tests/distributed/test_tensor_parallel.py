@@ -12,6 +12,8 @@ from _launch import spawn
 from _tp_worker import BATCH, HIDDEN, NAMES, SEQ, STEPS, D, train
 from hookline.storage import LogicalField, compare_runs, open_run
 
+pytestmark = pytest.mark.slow  # gloo process groups: process start-up dominates
+
 
 @pytest.fixture(scope="module")
 def tp(tmp_path_factory):
