@@ -43,6 +43,7 @@ _LAZY = {
     "Run": "reader",
     "Handle": "reader",
     "Field": "reader",
+    "LogicalField": "shards",
     "verify": "verifier",
     "VerifyReport": "verify_report",
     "HandleReport": "verify_report",

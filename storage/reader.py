@@ -45,6 +45,7 @@ from ._h5read import FileLRU, Part, PartField, open_part
 from .errors import FormatError, HookTypeError, InvalidArgumentError, RecordIndexError, StorageError, UnknownNameError
 from .format import MANIFEST_RE, check_manifest, final_name, rank_suffix
 from .local import LocalSource, names_hint
+from .shards import LogicalField, logical_field
 from .sources import find_source
 
 __all__ = ["open_run", "Run", "Handle", "Field", "LocalSource"]
@@ -248,7 +249,7 @@ class Handle:
         self._entries = entries  # (the run's shared manifests: read-only)
         self._discover()
         self._loaded = False
-        self._fields: dict[str, Field] = {}
+        self._fields: dict[str, Field | LogicalField] = {}
 
     @cached_property
     def manifest(self) -> dict[str, Any]:
@@ -430,14 +431,16 @@ class Handle:
             [np.full(p.n, -1 if lp.rank is None else lp.rank, np.int64) for p, lp in zip(self._parts, self._lazy)]
         ) if self._parts else np.zeros(0, np.int64)
 
-    def __getitem__(self, name: str) -> Field:
+    def __getitem__(self, name: str) -> Field | LogicalField:
         f = self._fields.get(name)
         if f is None:
             self._load()
             if name not in self._names:
                 raise UnknownNameError(f"unknown field {name!r} of handle {self.id!r}; available: "
                                        f"{names_hint(self._names)}")
-            f = self._fields[name] = Field(self, name)
+            # A DTensor field of several ranks reads as its logical tensors (shards.py).
+            f = self._fields[name] = (len(self._entries) > 1 and logical_field(
+                self, name, [(m.get("rank"), e.get("meta")) for m, e in self._entries])) or Field(self, name)
         return f
 
     def __contains__(self, name: object) -> bool:

@@ -40,7 +40,11 @@ def _pairs(sa: np.ndarray, ca: np.ndarray, sb: np.ndarray, cb: np.ndarray, ra: n
 
 
 def _field_ranks(handle: Handle, fld: Field) -> np.ndarray:
-    """Rank of each entry of a field (-1 when not distributed)."""
+    """Rank of each entry of a field (-1 when not distributed; a DTensor field's logical records
+    carry their own: -1 when one mesh spans the run, see ``storage/shards.py``)."""
+    own = getattr(fld, "ranks", None)
+    if own is not None:
+        return np.asarray(own, np.int64)
     return np.asarray(handle.ranks, np.int64)[np.asarray(fld.records, np.int64)]
 
 

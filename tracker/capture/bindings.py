@@ -16,6 +16,7 @@ from torch import nn
 from hookline.storage import RunWriter, WriterStats
 from hookline.storage.errors import DuplicateNameError, InvalidArgumentError, WriterClosedError
 
+from .dtensor import ShardLayout
 from .fields import field_tensors
 from .hook import Binding, CaptureOptions, Groups
 from .packer import BlockPacker
@@ -60,6 +61,7 @@ class HandleBindings:
         self._calls: dict[str, dict[int, int]] = {}  # handle id -> step -> next call index
         self._hook_seconds: dict[str, float] = {}
         self._skipped: dict[str, list[str]] = {}
+        self._layouts: dict[str, dict[str, tuple[tuple, dict[str, Any]]]] = {}  # DTensor fields
 
     # --- CaptureSink ------------------------------------------------------------------------
     def bind(self, binding: Binding) -> None:
@@ -145,9 +147,12 @@ class HandleBindings:
             if len(calls) > _CALL_STEPS:
                 del calls[next(iter(calls))]
         opts = binding.options
-        names, tensors, skipped = field_tensors(groups, opts)
+        layouts: dict[str, ShardLayout] = {}
+        names, tensors, skipped = field_tensors(groups, opts, layouts)
         if skipped:
             self._note_skipped(hid, skipped)
+        if layouts:
+            self._note_layouts(hid, layouts)
         stats = opts.mode == "stats"
         # Stats are float64 whatever the dtype option (field_tensors cast before summarising).
         self._packer.add(hid, step, call, names, tensors, None if stats else opts.dtype, stats)
@@ -160,6 +165,25 @@ class HandleBindings:
         if unseen:  # rare: the first firings of a handle
             known.extend(unseen)
             self._writer.update_handle_meta(hid, {"skipped_fields": list(known)})
+
+    def _note_layouts(self, hid: str, layouts: dict[str, ShardLayout]) -> None:
+        """Record in the handle's metadata where its DTensor fields' local shards sit (when a
+        field's layout is new or changed: the first firings of a handle)."""
+        known = self._layouts.setdefault(hid, {})
+        changed = False
+        for name, layout in layouts.items():
+            key = layout.key()
+            seen = known.get(name)
+            if seen is None:
+                known[name] = (key, layout.to_json())
+                changed = True
+            elif seen[0] != key and not seen[1].get("varies"):
+                # One layout per field is what the reader reassembles; a field whose placements or
+                # mesh change between records reads per rank only.
+                known[name] = (seen[0], {**seen[1], "varies": True})
+                changed = True
+        if changed:
+            self._writer.update_handle_meta(hid, {"dtensor": {n: js for n, (_, js) in known.items()}})
 
     # --- the recorder's side ----------------------------------------------------------------
     def suspend_all(self, suspended: bool) -> None:

@@ -1,18 +1,22 @@
 """torch.distributed glue for the Recorder: rank detection, run-id broadcast, agreement checks.
 
 Only torch's own process groups are used (``broadcast_object_list``, ``all_gather_object``); the
-collectives run at Recorder construction and close, never inside hooks.
+collectives run at Recorder construction and close, never inside hooks. A process group destroyed
+before ``close()`` costs only the close-time check: the rank's files close completely.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Sequence
 
 import torch.distributed as dist
 
 from hookline.storage.errors import InvalidArgumentError
 
-__all__ = ["DistInfo", "detect", "broadcast_run_id", "check_same_handles", "gather"]
+__all__ = ["DistInfo", "detect", "broadcast_run_id", "check_same_handles", "gather", "group_gone"]
+
+log = logging.getLogger("hookline")
 
 
 class DistInfo:
@@ -26,6 +30,7 @@ class DistInfo:
 
     def __init__(self, rank: int | None, world_size: int | None, collective: bool) -> None:
         self.rank, self.world_size, self.collective = rank, world_size, collective
+        self.warned = False  # (group_gone said it once)
 
     @property
     def is_main(self) -> bool:
@@ -90,9 +95,24 @@ def gather(info: DistInfo, value: Any) -> list[Any]:
     return gathered
 
 
+def group_gone(info: DistInfo, what: str) -> bool:
+    """Whether the process group this recorder started under was destroyed before ``what`` (a
+    collective) could run; if so, say so once on the ``hookline`` logger."""
+    if not info.collective or dist.is_initialized():
+        return False
+    if not info.warned:
+        info.warned = True
+        log.warning("hookline: the torch.distributed process group was destroyed before Recorder.close() "
+                    "on rank %s, so %s was skipped (no collective possible); this rank's files are "
+                    "complete. Close the recorder before dist.destroy_process_group() to keep the check",
+                    info.rank, what)
+    return True
+
+
 def check_same_handles(info: DistInfo, handle_ids: Sequence[str]) -> None:
-    """Raise on every rank when the ranks recorded different sets of hook handles."""
-    if not info.collective:
+    """Raise on every rank when the ranks recorded different sets of hook handles (skipped, said
+    once, when the process group is gone: :func:`group_gone`)."""
+    if not info.collective or group_gone(info, "comparing the ranks' handle sets"):
         return
     gathered: list[list[str] | None] = [None] * int(info.world_size or 1)
     dist.all_gather_object(gathered, sorted(handle_ids))

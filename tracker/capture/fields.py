@@ -10,14 +10,20 @@ import torch
 from hookline.storage.errors import HookTypeError, InvalidArgumentError
 from hookline.tracker.hooks.pytree import index_paths
 
+from .dtensor import ShardLayout, is_dtensor, local_shard
 from .hook import CaptureOptions, Groups
 from .stats import StatsSpec, compute_stats
 
 __all__ = ["field_tensors"]
 
 
-def field_tensors(groups: Groups, options: CaptureOptions) -> tuple[list[str], list[torch.Tensor], list[str]]:
+def field_tensors(groups: Groups, options: CaptureOptions, layouts: dict[str, ShardLayout] | None = None,
+                  ) -> tuple[list[str], list[torch.Tensor], list[str]]:
     """Name and slice the tensors of one firing (stats mode: cast and summarise them).
+
+    A DTensor leaf is taken as its local shard and its layout goes into ``layouts`` (when given);
+    a replicated one is left out on ranks that are not mesh coordinate 0 along its replicated
+    dimensions (stored once: see :mod:`.dtensor`).
 
     Returns:
         ``(names, tensors, skipped)``: field names (``outputs.0``, ``grad_in.1``...), the detached
@@ -40,10 +46,17 @@ def field_tensors(groups: Groups, options: CaptureOptions) -> tuple[list[str], l
             if t is None:
                 skipped.append(name)
                 continue
-            if t.layout is not _STRIDED or t.is_quantized or t.is_meta:
-                _refuse_layout(name, t)
-            if k is not None and t.dim() > 0:
-                t = t[:k]
+            if type(t) is not _TENSOR and is_dtensor(t):  # (plain tensors: one comparison)
+                t, layout = local_shard(name, t, k)
+                if layouts is not None:
+                    layouts[name] = layout
+                if not layout.stores:
+                    continue  # replicated: mesh coordinate 0 stores it
+            else:
+                if t.layout is not _STRIDED or t.is_quantized or t.is_meta:
+                    _refuse_layout(name, t)
+                if k is not None and t.dim() > 0:
+                    t = t[:k]
             t = t.detach()
             if stats:
                 if options.dtype is not None and t.is_floating_point() and t.dtype != options.dtype:
@@ -55,6 +68,7 @@ def field_tensors(groups: Groups, options: CaptureOptions) -> tuple[list[str], l
 
 
 _STRIDED = torch.strided
+_TENSOR = torch.Tensor
 
 
 def _refuse_layout(name: str, t: torch.Tensor) -> None:

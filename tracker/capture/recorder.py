@@ -56,7 +56,9 @@ class Recorder:
     ``call`` counts the firings of the handle within the step (a module called twice gives calls
     0 and 1). Tensors are detached and copied on the training thread (CPU: one ``clone``; CUDA:
     a ``non_blocking`` copy into pinned memory, delivered when its event completes) and written
-    by the storage layer's background thread.
+    by the storage layer's background thread. A ``DTensor`` (tensor parallelism) is recorded as
+    the rank's local shard with its placements and mesh coordinate in the handle's metadata,
+    without a collective; a replicated one only by mesh coordinate 0 (docs/distributed.md).
 
     Args:
         run_dir: directory of the run (created; must not already hold a run unless ``resume``).
