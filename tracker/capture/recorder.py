@@ -22,6 +22,7 @@ from hookline.storage.writer import RunWriter, WriterStats
 from .bindings import HandleBindings
 from .convert import BufferPool
 from .distributed import broadcast_run_id, check_same_handles, detect
+from .empty import EmptyStepCheck
 from .hook import CaptureHook, CaptureOptions
 from .live import LiveUpdates, check_intervals
 from .packer import BlockPacker
@@ -166,7 +167,7 @@ class Recorder:
         )
         self.rank, self.world_size = rank, world_size
         self._live = LiveUpdates(self._mlflow, self.run_dir / manifest_name(rank, world_size), update_s)
-        self._state = StepState(every, steps, str(self.run_dir))
+        self._state, self._empty = StepState(every, steps, str(self.run_dir)), EmptyStepCheck(str(self.run_dir))
         # Records are packed into chunk-sized host blocks (reused buffers: warm pages) and
         # handed to the writer a block at a time. Free buffers kept for reuse share the open
         # blocks' part of the budget (SPEC §8), also when ragged shapes leave pooled buffers
@@ -255,7 +256,14 @@ class Recorder:
         self._live.tick()  # (a clock read; now and then a background MLflow pass)
         if self._inf_steps is not None:
             self._inf_steps.boundary(step)
+        if step != self._state.step:
+            self._step_ended()
         self._set_current(step)
+
+    def _step_ended(self) -> None:
+        """The current step ends: warn (once) when it was sampled and recorded nothing."""
+        if self._state.recorded_nothing:
+            self._empty.step_ended(self._state.step, self._bindings.handle_ids())  # type: ignore[arg-type]
 
     def _set_current(self, step: int) -> None:
         state = self._state
@@ -278,6 +286,8 @@ class Recorder:
             yield state.step  # type: ignore[misc]
         finally:
             if outer is None or state.closed:
+                if not state.closed:
+                    self._step_ended()
                 state.step = None
             else:  # nested: the outer step goes on (its sampling and call counts included)
                 self._set_current(outer)
@@ -300,6 +310,7 @@ class Recorder:
             with state.lock:
                 state.paused -= 1
                 self._bindings.suspend_all(state.holds_off)
+                state.released = state.released or (state.step is not None and not state.holds_off)
 
     def _note_inf_steps(self, steps: list[int]) -> None:
         # The writer's run metadata goes into the manifest at the next flush/close; the value
@@ -356,6 +367,7 @@ class Recorder:
             return self.summary()
         atexit.unregister(self._atexit)
         self._collected.detach()
+        self._step_ended()  # (a loop of set_step() calls: its last step ends here)
         failure: BaseException | None = None
         try:
             self._packer.drain(final=True)  # a record racing in from another thread now fails
