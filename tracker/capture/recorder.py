@@ -16,6 +16,7 @@ from hookline.storage.budget import Budget
 from hookline.storage.errors import HookTypeError, InvalidArgumentError
 from hookline.storage.format import manifest_name
 from hookline.storage.lifecycle import weak_closer
+from hookline.storage.live import AUTOFLUSH_S
 from hookline.storage.mlflow.client import budget_seconds
 from hookline.storage.writer import RunWriter, WriterStats
 
@@ -79,7 +80,8 @@ class Recorder:
             (None: only at :meth:`flush` and :meth:`close`). Default 60.
         autoflush_s: the writer seals what it holds (durable, readable, and visible to the
             MLflow updates) every this many seconds without waiting for :meth:`flush`
-            (None: only at :meth:`flush` and :meth:`close`). Default 300.
+            (None: only at :meth:`flush` and :meth:`close`). Default 60 (cost: docs/performance.md,
+            "Sealing while training runs").
         rank, world_size: distributed rank information (stored in file names and attributes);
             default: taken from an initialised ``torch.distributed`` process group. Under
             ``torch.distributed`` the constructor and :meth:`close` are collectives: every rank
@@ -115,7 +117,7 @@ class Recorder:
         resume: bool = False,
         grad_scaler: torch.amp.GradScaler | None = None,
         mlflow_update_s: float | None = 60.0,
-        autoflush_s: float | None = 300.0,
+        autoflush_s: float | None = AUTOFLUSH_S,
     ) -> None:
         self.run_dir = check_run_dir(run_dir)
         self.every, self.steps = every, steps = check_sampling(every, steps)
