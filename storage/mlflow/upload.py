@@ -15,7 +15,8 @@ What a pass does (:meth:`Uploader.run`), each step a method of :class:`_Pass`:
    series (step = training step) for the records not yet logged (:mod:`.runpage`), and the
    per-handle and run-level tags (and the ``hookline.origin`` param), with ``log_batch``: a small
    pass sends points, tags and params in one request, while the files upload;
-4. once every file is uploaded, uploads the manifest(s), as ``hookline/manifest.json`` /
+4. once every file is uploaded, uploads the run's summary page (``hookline/summary.html``, see
+   :mod:`.runsummary`) and the manifest(s), as ``hookline/manifest.json`` /
    ``hookline/manifest.rank<r>.json``, then the sync record; a ``hookline.bytes`` tag that an
    upload failure made wrong is corrected last.
 
@@ -29,7 +30,7 @@ a moment before its files are complete; a failed pass says so, and the next pass
 
 Every MLflow call is bounded by the time budget (:class:`~.client.CallBudget`).
 
-(~630 lines, kept in one file: the steps of a pass share its state and the ordering rules above,
+(~660 lines, kept in one file: the steps of a pass share its state and the ordering rules above,
 which one reader must be able to check in one place.)
 
 Idempotence: files are compared by size + SHA-256 against the sync record and skipped when
@@ -45,6 +46,7 @@ import enum
 import functools
 import logging
 import re
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -598,26 +600,49 @@ class _Pass:
     # -- step 4: manifests -----------------------------------------------------------------------
 
     def _upload_manifests(self) -> None:
-        for mpath, _man in self.manifests:
-            digest = file_digest(mpath, self.hashes)
-            apath = f"{ARTIFACT_ROOT}/{mpath.name}"
-            if self.state.get(apath) == digest:
+        with tempfile.TemporaryDirectory(prefix="hookline-summary-") as tmp:
+            summary = self._summary(Path(tmp))  # (before the manifests: a run with a manifest has its page)
+            if summary is not None and self._upload_small(summary, listed=False):
+                self.report.summary = f"{ARTIFACT_ROOT}/{summary.name}"
+            for mpath, _man in self.manifests:
+                self._upload_small(mpath)
+
+    def _summary(self, folder: Path) -> Path | None:
+        """The run's summary page (:mod:`.runsummary`), written into ``folder``; None when it
+        cannot be made (a warning: the files, tags and metrics are what a sync must deliver)."""
+        from .runsummary import summary_name, write_summary
+
+        try:
+            return write_summary(self.run_dir, folder / summary_name(self.rank), rank=self.rank)
+        except Exception as e:  # noqa: BLE001
+            log.warning("hookline: no summary page for %r: %s", str(self.run_dir), short_error(e))
+            return None
+
+    def _upload_small(self, mpath: Path, listed: bool = True) -> bool:
+        """Upload ``mpath`` as ``hookline/<name>`` unless the sync record has it unchanged;
+        ``listed``: name it in the report's ``uploaded``/``skipped``. Returns whether it is there."""
+        digest = file_digest(mpath, self.hashes)
+        apath = f"{ARTIFACT_ROOT}/{mpath.name}"
+        if self.state.get(apath) == digest:
+            if listed:
                 self.report.skipped.append(apath)
-                continue
-            try:
-                if self.repo is not None:
-                    self.budget.call(f"the upload of {apath!r}", self.repo.log_artifact, str(mpath), ARTIFACT_ROOT,
-                                     size=mpath.stat().st_size)
-                else:
-                    self.budget.call(f"the upload of {apath!r}", self.client.log_artifact, self.run_id, str(mpath),
-                                     ARTIFACT_ROOT, size=mpath.stat().st_size)
-            except TrackingUnreachableError:
-                raise
-            except Exception as e:  # noqa: BLE001
-                self.report.errors.append(f"upload of {apath!r} failed: {short_error(e)}")
-                continue
+            return True
+        try:
+            if self.repo is not None:
+                self.budget.call(f"the upload of {apath!r}", self.repo.log_artifact, str(mpath), ARTIFACT_ROOT,
+                                 size=mpath.stat().st_size)
+            else:
+                self.budget.call(f"the upload of {apath!r}", self.client.log_artifact, self.run_id, str(mpath),
+                                 ARTIFACT_ROOT, size=mpath.stat().st_size)
+        except TrackingUnreachableError:
+            raise
+        except Exception as e:  # noqa: BLE001
+            self.report.errors.append(f"upload of {apath!r} failed: {short_error(e)}")
+            return False
+        if listed:
             self.report.uploaded.append(apath)
-            self.state.put(apath, digest)
+        self.state.put(apath, digest)
+        return True
 
 
 @functools.lru_cache(maxsize=1)

@@ -181,17 +181,23 @@ def test_sync_uploads_files_tags_and_metrics(store, new_run, tmp_path):
     # bookkeeping: the digests in the sync record, the total size in one run tag, the origin a param
     files = ("outputs/blocks.0.h5", "grads/blocks.0.h5", "manifest.json")
     digests = {f"hookline/{rel}": f"{(built.path / rel).stat().st_size}:{sha256(built.path / rel)}" for rel in files}
-    assert _sync_record(client, rid, tmp_path / "state") == digests
+    record = _sync_record(client, rid, tmp_path / "state")
+    assert record.pop("hookline/summary.html").split(":")[0].isdigit()  # the summary page, made from the run
+    assert record == digests
     assert tags["hookline.bytes"] == str(sum((built.path / rel).stat().st_size for rel in files[:2]))
     assert not any(":" in v and len(v) > 64 for v in tags.values()), tags  # no digest is a tag
     assert run.data.params["hookline.origin"] == json.loads((built.path / "manifest.json").read_text())["run_uuid"]
-    # per-step norm series and their running maximum: a line each, no single-point metric
-    assert set(run.data.metrics) == {metric_key(h, built.fields[h], s) for h in built.data for s in ("norm", "norm_max")}
+    # per-step norm series (one chart per field) and for gradients their running maximum: a line
+    # each, no single-point metric
+    assert set(run.data.metrics) == ({metric_key(h, built.fields[h]) for h in built.data}
+                                     | {metric_key("grads[blocks.0]", built.fields["grads[blocks.0]"], "norm_max")})
     for hid in ("outputs[blocks.0]", "grads[blocks.0]"):
         f = built.fields[hid]
         hist = _history(client, rid, metric_key(hid, f))
         assert [s for s, _ in hist] == list(built.steps[hid])
         np.testing.assert_allclose([v for _, v in hist], built.norms(hid), rtol=1e-5)
+        if not hid.startswith("grads"):
+            continue
         mx = _history(client, rid, metric_key(hid, f, "norm_max"))
         assert [s for s, _ in mx] == list(built.steps[hid])
         np.testing.assert_allclose([v for _, v in mx], np.maximum.accumulate(built.norms(hid)), rtol=1e-5)
@@ -214,10 +220,9 @@ def test_sync_is_idempotent(store, new_run, tmp_path):
     client.log_text(rid, json.dumps({"format": "hookline-sync", "files": record}), "hookline/sync.json")
     third = sync(built.path, rid, tracking_uri=store)
     assert third.ok and third.uploaded == ["hookline/grads/blocks.0.h5"] and third.metrics > 0
-    for hid in ("outputs[blocks.0]", "grads[blocks.0]"):
-        for stat in ("norm", "norm_max"):
-            hist = client.get_metric_history(rid, metric_key(hid, built.fields[hid], stat))
-            assert len(hist) == 4, (hid, stat, hist)
+    for hid, stat in (("outputs[blocks.0]", "norm"), ("grads[blocks.0]", "norm"), ("grads[blocks.0]", "norm_max")):
+        hist = client.get_metric_history(rid, metric_key(hid, built.fields[hid], stat))
+        assert len(hist) == 4, (hid, stat, hist)
     assert len(client.list_artifacts(rid, "hookline/grads")) == 1
 
 
@@ -405,6 +410,8 @@ def test_server_killed_mid_run_then_sync_completes_without_duplicates(mlflow_ser
     for hid in built.data:
         hist = _history(client, rid, metric_key(hid, built.fields[hid]))
         assert [s for s, _ in hist] == list(built.steps[hid])  # every step exactly once
+        if not hid.startswith("grads"):
+            continue
         # the running max has a point per record, none twice, across the passes
         mx = _history(client, rid, metric_key(hid, built.fields[hid], "norm_max"))
         assert [s for s, _ in mx] == list(built.steps[hid])
