@@ -17,12 +17,20 @@ from __future__ import annotations
 import base64
 import html
 import io
+import logging
+import tempfile
+import threading
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-__all__ = ["MAX_PICTURES", "SAMPLE_BYTES", "SAMPLE_VALUES", "STRIP_COLUMNS", "summary_name", "write_summary"]
+from .client import short_error
+
+__all__ = ["MAX_PICTURES", "SAMPLE_BYTES", "SAMPLE_VALUES", "STRIP_COLUMNS", "SummaryPage", "summary_name",
+           "write_summary"]
+
+log = logging.getLogger("hookline.mlflow")
 
 #: Fields with pictures, at most (in handle order); the table lists every field.
 MAX_PICTURES = 32
@@ -195,19 +203,21 @@ def write_summary(run_dir: str | Path, out: str | Path, *, rank: int | None = No
     with open_run(run_dir) as run:
         budget = [MAX_PICTURES]
         sections = []
+        n_fields = 0
         for hid in run.handles:
             if rank is not None and rank not in run.ranks:
                 break
             try:
                 handle = run.handle(hid, rank) if rank is not None else run[hid]
             except KeyError:
-                continue  # (another rank's handle)
+                continue  # (another rank's handle: never read, its writer may still be writing)
             sections.append(_handle_section(handle, handle.file_bytes, budget))
-        n_fields = sum(len(run[h].fields) for h in run.handles)
+            n_fields += len(handle.fields)
         note = ("" if budget[0] > 0 else
                 f"<p>Pictures of the first {MAX_PICTURES} fields; every field is in the tables.</p>")
         page = (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>hookline run</title><style>{_STYLE}"
-                f"</style></head><body><h1>hookline run: {len(run.handles)} handles, {n_fields} fields</h1>"
+                f"</style></head><body><h1>hookline run: {len(sections)} handles, {n_fields} fields"
+                f"{'' if rank is None else f' (rank {rank})'}</h1>"
                 f"<p>status {html.escape(run.status)}; recorded with torch "
                 f"{html.escape(str(run.meta.get('torch_version', '?')))}, every {run.meta.get('every', '?')}; "
                 f"read it with <code>open_run(\"runs:/&lt;run id&gt;\")</code> or download the .h5 files.</p>{note}"
@@ -215,3 +225,61 @@ def write_summary(run_dir: str | Path, out: str | Path, *, rank: int | None = No
     path = Path(out)
     path.write_text(page, encoding="utf-8")
     return path
+
+
+class SummaryPage:
+    """A sync pass's summary page, drawn on a thread of its own (while the handle files upload)
+    into a temporary folder.
+
+    ``with page as path:`` waits for it and removes the folder afterwards; ``path`` is None when
+    the page could not be made (a warning: the files, tags and metrics are what a sync must
+    deliver). :meth:`discard` lets a page the pass will not upload go (the folder is removed once
+    it is drawn).
+
+    Args:
+        run_dir: the run directory.
+        rank: only this rank's handles (None: every rank).
+    """
+
+    def __init__(self, run_dir: Path, rank: int | None) -> None:
+        self._run_dir, self._rank = run_dir, rank
+        self._thread: threading.Thread | None = None
+        self._path: Path | None = None
+        self._tmp: tempfile.TemporaryDirectory | None = None
+        self._lock = threading.Lock()
+        self._done = self._dropped = False
+
+    def start(self) -> None:
+        """Start drawing (once)."""
+        if self._thread is not None:
+            return
+        self._tmp = tempfile.TemporaryDirectory(prefix="hookline-summary-")
+        self._thread = threading.Thread(target=self._draw, name="hookline-summary", daemon=True)
+        self._thread.start()
+
+    def _draw(self) -> None:
+        try:
+            self._path = write_summary(self._run_dir, Path(self._tmp.name) / summary_name(self._rank), rank=self._rank)
+        except Exception as e:  # noqa: BLE001
+            log.warning("hookline: no summary page for %r: %s", str(self._run_dir), short_error(e))
+        with self._lock:
+            self._done = True
+            if self._dropped:
+                self._tmp.cleanup()
+
+    def discard(self) -> None:
+        """The page is not needed (idempotent; a no-op after ``with``)."""
+        with self._lock:
+            if self._tmp is None or self._dropped:
+                return
+            self._dropped = True
+            if self._done:
+                self._tmp.cleanup()
+
+    def __enter__(self) -> Path | None:
+        self.start()
+        self._thread.join()  # type: ignore[union-attr]
+        return self._path
+
+    def __exit__(self, *exc: Any) -> None:
+        self.discard()

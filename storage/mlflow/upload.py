@@ -30,7 +30,7 @@ a moment before its files are complete; a failed pass says so, and the next pass
 
 Every MLflow call is bounded by the time budget (:class:`~.client.CallBudget`).
 
-(~660 lines, kept in one file: the steps of a pass share its state and the ordering rules above,
+(~640 lines, kept in one file: the steps of a pass share its state and the ordering rules above,
 which one reader must be able to check in one place.)
 
 Idempotence: files are compared by size + SHA-256 against the sync record and skipped when
@@ -46,7 +46,6 @@ import enum
 import functools
 import logging
 import re
-import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -72,6 +71,7 @@ from .report import SyncReport
 from .rundir import NormSeries, check_origin, created_ms, file_damage, file_digest, load_manifests, norm_fields, \
     read_series, series_since
 from .runpage import handle_tags, norm_points
+from .runsummary import SummaryPage
 from .syncstate import SyncState
 from .transfer import FileUpload, ParallelUploads
 
@@ -312,6 +312,7 @@ class _Pass:
         #: norm series read while a file was checked (opened once): (handle id, rank) -> (records, series)
         self.series: dict[tuple[str, int | None], tuple[int, list[NormSeries]]] = {}
         self.origin: dict[str, str] | None = None  # the origin params (None: the run is not fetched yet)
+        self._summary_page = SummaryPage(run_dir, up.rank)
 
     def _arrive(self, run: Any, running: ParallelUploads) -> None:
         """Take in the fetched MLflow run: its tags and params, the origin check (before anything
@@ -329,6 +330,12 @@ class _Pass:
 
     def execute(self) -> None:
         """Run the steps (module docstring) in order."""
+        try:
+            self._steps()
+        finally:
+            self._summary_page.discard()  # (a page this pass did not upload: errors, or files pending)
+
+    def _steps(self) -> None:
         self.manifests = load_manifests(self.run_dir, self.rank)
         self.client = self.up.client
         self.up.reach()
@@ -339,6 +346,7 @@ class _Pass:
         try:
             if self.mode != PassMode.METRICS:  # (threads started while the run is fetched)
                 running.prestart(sum(1 for p in self.plans if p.entry.get("file")))
+                self._summary_page.start()  # (drawn while the files upload)
             uploads = self._files_to_upload(running, fetching)  # (each starts as soon as its file is checked)
             if self.origin is None:
                 self._arrive(fetching.result(), running)
@@ -600,23 +608,11 @@ class _Pass:
     # -- step 4: manifests -----------------------------------------------------------------------
 
     def _upload_manifests(self) -> None:
-        with tempfile.TemporaryDirectory(prefix="hookline-summary-") as tmp:
-            summary = self._summary(Path(tmp))  # (before the manifests: a run with a manifest has its page)
+        with self._summary_page as summary:  # (before the manifests: a run with a manifest has its page)
             if summary is not None and self._upload_small(summary, listed=False):
                 self.report.summary = f"{ARTIFACT_ROOT}/{summary.name}"
-            for mpath, _man in self.manifests:
-                self._upload_small(mpath)
-
-    def _summary(self, folder: Path) -> Path | None:
-        """The run's summary page (:mod:`.runsummary`), written into ``folder``; None when it
-        cannot be made (a warning: the files, tags and metrics are what a sync must deliver)."""
-        from .runsummary import summary_name, write_summary
-
-        try:
-            return write_summary(self.run_dir, folder / summary_name(self.rank), rank=self.rank)
-        except Exception as e:  # noqa: BLE001
-            log.warning("hookline: no summary page for %r: %s", str(self.run_dir), short_error(e))
-            return None
+        for mpath, _man in self.manifests:
+            self._upload_small(mpath)
 
     def _upload_small(self, mpath: Path, listed: bool = True) -> bool:
         """Upload ``mpath`` as ``hookline/<name>`` unless the sync record has it unchanged;

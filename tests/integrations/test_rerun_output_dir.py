@@ -29,9 +29,10 @@ def _snapshot(run_dir) -> dict[str, bytes]:
     return {str(p.relative_to(run_dir)): p.read_bytes() for p in sorted(run_dir.rglob("*")) if p.is_file()}
 
 
-def test_two_trainings_into_one_output_dir_make_two_runs(tmp_path, mlflow_experiment):
+def test_two_trainings_into_one_output_dir_make_two_runs_and_refusals_start_none(tmp_path, mlflow_experiment):
     uri, experiment = mlflow_experiment
     out = tmp_path / "out"
+    late = HooklineCallback(grads=MLP, run_dir=out / "hookline")  # made while the directory is free
     first = HooklineCallback(grads=MLP)
     _train(out, first, seed=0)
     assert first.recorder.run_dir == out / "hookline"
@@ -53,16 +54,13 @@ def test_two_trainings_into_one_output_dir_make_two_runs(tmp_path, mlflow_experi
     assert numbered_run_dir(out / "hookline", resume=True) == out / "hookline-2"
     assert numbered_run_dir(out / "hookline") == out / "hookline-3"
 
-
-def test_a_run_dir_that_holds_a_run_is_refused_before_an_mlflow_run_starts(tmp_path, mlflow_experiment):
-    uri, experiment = mlflow_experiment
-    cb = HooklineCallback(grads=MLP, run_dir=tmp_path / "rec")
-    _train(tmp_path / "out", cb, seed=0)
-    assert len(experiment_runs(uri, experiment)) == 1
+    # refusals: when train() is called (a run_dir= that holds a run by now, a pattern that selects
+    # nothing) or when the callback is made; none of them starts an MLflow run
     with pytest.raises(RunExistsError, match="already holds a run.*Leave run_dir unset"):
-        _train(tmp_path / "out", cb, seed=1)  # the same callback, again: refused when train() is called
-    with pytest.raises(RunExistsError, match="already holds a run"):
-        HooklineCallback(grads=MLP, run_dir=tmp_path / "rec")  # a new one: refused when it is made
+        _train(out, late, seed=2)
     with pytest.raises(InvalidArgumentError, match="selects no module"):
-        _train(tmp_path / "out", HooklineCallback(grads="layers.*"), seed=2)
-    assert len(experiment_runs(uri, experiment)) == 1  # no MLflow run was started for the refused trainings
+        _train(out, HooklineCallback(grads="layers.*"), seed=2)
+    with pytest.raises(RunExistsError, match="already holds a run"):
+        HooklineCallback(grads=MLP, run_dir=out / "hookline-2")
+    assert len(experiment_runs(uri, experiment)) == 2
+    assert _snapshot(out / "hookline") == before
