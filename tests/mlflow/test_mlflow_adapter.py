@@ -778,9 +778,10 @@ FIVE = [HandleSpec(f"outputs[blocks.{i}]", LINEAR, "outputs.0") for i in range(3
 def test_a_final_pass_fetches_its_run_once_and_sends_no_separate_probe(mlflow_server_factory, tmp_path):
     """The pass's get_run is its reachability probe, and the uploads go straight to the run's
     artifact repository (MLflow's log_artifact would fetch the run again): one runs/get, one PUT
-    per file, manifest and sync record, one log-batch for a small pass. The handle files upload
-    side by side; the manifest is sent once every one of them is stored, the sync record once the
-    manifest is (the access log has a request's line once it is answered)."""
+    per file, summary page, manifest and sync record, one log-batch for a small pass. The handle
+    files upload side by side; the summary page and then the manifest are sent once every one of
+    them is stored, the sync record once the manifest is (the access log has a request's line once
+    it is answered)."""
     from mlflow import MlflowClient
 
     server = mlflow_server_factory()
@@ -796,8 +797,9 @@ def test_a_final_pass_fetches_its_run_once_and_sends_no_separate_probe(mlflow_se
     assert got[0] == "GET /api/2.0/mlflow/runs/get", got  # (nothing is sent before the run is checked)
     puts = [r for r in got if r.startswith("PUT ")]
     data = [i for i, r in enumerate(puts) if r.endswith(".h5")]
-    assert len(data) == len(FIVE) and len(puts) == len(FIVE) + 2, got
-    assert puts[-2].endswith("/hookline/manifest.json") and max(data) < len(puts) - 2, got
+    assert len(data) == len(FIVE) and len(puts) == len(FIVE) + 3, got
+    assert puts[-3].endswith("/hookline/summary.html") and max(data) < len(puts) - 3, got
+    assert puts[-2].endswith("/hookline/manifest.json"), got
     assert puts[-1].endswith("/hookline/sync.json"), got
 
 
