@@ -103,3 +103,19 @@ def test_no_warning_when_nothing_is_missing(tmp_path, case):
         summary = rec.close()
     assert _ours(caught) == []
     assert summary.handles["outputs[encoder.0]"].records == (2 if case == "recording" else 0)
+
+
+def test_a_step_cut_short_by_an_exception_is_not_checked(tmp_path):
+    model, mgr = Net(), HookManager()
+    rec = Recorder(tmp_path / "r")
+    mgr.register_forward_hook(rec.outputs, **select(model, "head"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(RuntimeError, match="data loader failed"), rec.step(0):
+            raise RuntimeError("data loader failed")  # before any forward
+        rec.set_step(1)
+        try:
+            raise KeyboardInterrupt
+        except KeyboardInterrupt:
+            rec.close()  # (as the integrations close it while training's exception propagates)
+    assert _ours(caught) == []

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import sys
 import threading
 import weakref
 from contextlib import contextmanager
@@ -284,11 +285,13 @@ class Recorder:
         state = self._state
         outer = state.step
         self.set_step(step)
+        ended = False  # (a step cut short by an exception is not checked for records)
         try:
             yield state.step  # type: ignore[misc]
+            ended = True
         finally:
             if outer is None or state.closed:
-                if not state.closed:
+                if ended and not state.closed:
                     self._step_ended()
                 state.step = None
             else:  # nested: the outer step goes on (its sampling and call counts included)
@@ -369,7 +372,8 @@ class Recorder:
             return self.summary()
         atexit.unregister(self._atexit)
         self._collected.detach()
-        self._step_ended()  # (a loop of set_step() calls: its last step ends here)
+        if sys.exc_info()[0] is None:  # (closed while handling training's exception: the step was cut short)
+            self._step_ended()  # (a loop of set_step() calls: its last step ends here)
         failure: BaseException | None = None
         try:
             self._packer.drain(final=True)  # a record racing in from another thread now fails
