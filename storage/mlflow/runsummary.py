@@ -95,9 +95,9 @@ def _heat(shares: np.ndarray) -> bytes:
 def _sample_values(field: Any) -> tuple[np.ndarray, list[np.ndarray]]:
     """Steps and value samples (float64, finite) of up to :data:`STRIP_COLUMNS` records."""
     n = len(field)
-    shape = field.shape
-    per = int(np.prod(shape)) * field.dtype.itemsize if shape is not None else 0
-    cols = STRIP_COLUMNS if not per else max(2, min(STRIP_COLUMNS, SAMPLE_BYTES // max(per, 1)))
+    shape = field.shape if field.shape is not None else field.record_shape(0)  # (ragged: the first record's)
+    per = max(1, int(np.prod(shape)) * field.dtype.itemsize)
+    cols = max(2, min(STRIP_COLUMNS, SAMPLE_BYTES // per))
     picks = np.unique(np.linspace(0, n - 1, min(n, cols)).round().astype(np.int64))
     samples = []
     for i in picks:

@@ -107,3 +107,21 @@ def test_summary_of_a_large_field_reads_a_bounded_sample(tmp_path, monkeypatch):
     assert len(read) == 2  # 1 MiB / 512 KiB records: two sampled, not all 20
     assert len(_pictures(page)) == 2
     assert np.all(np.diff(read) > 0)
+
+
+def test_summary_draws_ragged_int_bool_and_bfloat16_fields(tmp_path):
+    from hookline.storage import RunWriter
+
+    rng = np.random.default_rng(0)
+    w = RunWriter(tmp_path / "run", fsync=False)
+    w.add_handle("outputs[m]", module_name="m")
+    for s in range(6):
+        bf16 = torch.from_numpy(rng.standard_normal(4).astype(np.float32)).to(torch.bfloat16)
+        w.write("outputs[m]", s, 0, {"outputs.0": rng.random((s + 1, 3), dtype=np.float32),  # ragged
+                                     "outputs.1": np.arange(s + 2), "outputs.2": np.array([True, s % 2 == 0]),
+                                     "outputs.3": (bf16.view(torch.int16).numpy().view(np.uint16), "bfloat16")})
+    w.close()
+    page = write_summary(tmp_path / "run", tmp_path / "s.html").read_text()
+    assert "<tr><td>outputs.0</td><td>ragged</td><td>float32</td><td>6</td>" in page
+    assert "<td>bfloat16</td>" in page and "<td>bool</td>" in page
+    assert len(_pictures(page)) == 2 * 4
