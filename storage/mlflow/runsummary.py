@@ -174,6 +174,8 @@ def _handle_section(handle: Any, nbytes: int | None, budget: list[int]) -> str:
     head = (f"<h2>{html.escape(handle.id)}</h2><p>module <code>{html.escape(handle.module_name or '(root)')}</code> "
             f"({html.escape(handle.module_type)}), {html.escape(handle.category)}, {len(handle)} records, "
             f"steps {_steps_text(handle.steps)}, {_sizes(nbytes) if nbytes is not None else 'size unknown'}</p>")
+    if handle.problems:  # (damaged files are skipped: the page says so, as the reader does)
+        head += "".join(f"<p><b>unreadable:</b> {html.escape(p)}</p>" for p in handle.problems)
     table = "<table><tr><th>field</th><th>shape per record</th><th>dtype</th><th>records</th><th>steps</th></tr>"
     table += "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in r) + "</tr>" for r in rows) + "</table>"
     strips = ("<table class='pics'><tr><th>field</th><th>norm over steps</th><th>value distribution over steps "
