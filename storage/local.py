@@ -20,6 +20,7 @@ from ._parts import Discovery, discover_files
 from .confine import RunRoot
 from .errors import FormatError
 from .format import MANIFEST_RE, check_manifest, manifest_name, read_manifest
+from .live import not_sealed_yet
 from .synthesise import synthesise_manifests
 
 __all__ = ["LocalSource", "names_hint"]
@@ -201,6 +202,7 @@ def _not_a_run(root: Path) -> FormatError:
         names = [str(p.relative_to(root)) for p in nested]
         return FormatError(f"{str(root)!r} is not a run directory (no manifest.json) but contains runs: "
                            f"{names_hint(names, 10)}; pass one of them")
-    return FormatError(
+    live = not_sealed_yet(root, f"{str(root)!r} has no manifest.json yet (written once a handle is declared)")
+    return FormatError(live or (
         f"{str(root)!r} is not a hookline run directory: it has no manifest.json and no hookline "
-        "handle files (a run directory is what a Recorder or RunWriter was given)")
+        "handle files (a run directory is what a Recorder or RunWriter was given)"))

@@ -44,6 +44,7 @@ from ._fs import check_max_open_files
 from ._h5read import FileLRU, Part, PartField, open_part
 from .errors import FormatError, HookTypeError, InvalidArgumentError, RecordIndexError, StorageError, UnknownNameError
 from .format import MANIFEST_RE, check_manifest, final_name, rank_suffix
+from .live import not_sealed_yet
 from .local import LocalSource, names_hint
 from .shards import LogicalField, logical_field
 from .sources import find_source
@@ -436,12 +437,20 @@ class Handle:
         if f is None:
             self._load()
             if name not in self._names:
-                raise UnknownNameError(f"unknown field {name!r} of handle {self.id!r}; available: "
-                                       f"{names_hint(self._names)}")
+                raise UnknownNameError(self._not_sealed(name) or f"unknown field {name!r} of handle {self.id!r}; "
+                                       f"available: {names_hint(self._names)}")
             # A DTensor field of several ranks reads as its logical tensors (shards.py).
             f = self._fields[name] = (len(self._entries) > 1 and logical_field(
                 self, name, [(m.get("rank"), e.get("meta")) for m, e in self._entries])) or Field(self, name)
         return f
+
+    def _not_sealed(self, name: str) -> str | None:
+        """Why a handle with no record has no field ``name`` yet: its open run sealed nothing of it."""
+        if self._n or self._problems:
+            return None
+        return not_sealed_yet(getattr(self.run.source, "root", None),
+                              f"handle {self.id!r} of run {self.run.path!r} has no sealed record yet (so no field {name!r})",
+                              open_manifest=any(m.get("status") == "open" for m, _ in self._entries))
 
     def __contains__(self, name: object) -> bool:
         self._load()

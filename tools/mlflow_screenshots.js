@@ -1,4 +1,4 @@
-// Screenshots of one MLflow run page for docs/mlflow.md: model metrics, overview, artifacts.
+// Screenshots of one MLflow run page for docs/mlflow.md: model metrics, overview, the summary page.
 // Needs the system chromium and the npm package playwright-core; see tools/mlflow_screenshots.md.
 // usage: node tools/mlflow_screenshots.js BASE_URL EXPERIMENT_ID RUN_ID OUT_DIR
 const { chromium } = require('playwright-core');
@@ -37,10 +37,10 @@ async function shot(page, url, waitFor, file, before) {
   try {
     await shot(page, `${runUrl}/model-metrics`, 'grad_out.0.norm', path.join(out, 'mlflow-run-metrics.png'));
     await shot(page, runUrl, 'Tags', path.join(out, 'mlflow-run-overview.png'));
-    await shot(page, `${runUrl}/artifacts`, 'hookline', path.join(out, 'mlflow-run-artifacts.png'), async (p) => {
+    await shot(page, `${runUrl}/artifacts`, 'hookline', path.join(out, 'mlflow-run-summary.png'), async (p) => {
       await p.getByText('hookline', { exact: true }).first().click();
-      await p.getByText('grads', { exact: true }).first().click();
-      await p.getByText('sync.json', { exact: true }).first().click();
+      await p.getByText('summary.html', { exact: true }).first().click();
+      await p.waitForTimeout(3000); // the preview loads the page
     });
   } finally {
     await ctx.close();

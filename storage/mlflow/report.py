@@ -26,6 +26,9 @@ class SyncReport:
         unreachable: a pass found the tracking server not answering (:meth:`error` is then a
             :class:`TrackingUnreachableError`, also a ``ConnectionError``).
         bad_run: the run itself was refused (unknown, deleted, holding another run directory).
+        summary: the run's summary page (``hookline/summary.html``) when a final pass made it
+            current (uploaded, or already there unchanged); not listed in ``uploaded``/``skipped``,
+            which name the run's own files.
     """
 
     run_id: str
@@ -38,6 +41,7 @@ class SyncReport:
     pending: list[str] = field(default_factory=list)
     unreachable: bool = False
     bad_run: bool = False
+    summary: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -55,6 +59,7 @@ class SyncReport:
         self.pending += other.pending
         self.unreachable = self.unreachable or other.unreachable
         self.bad_run = self.bad_run or other.bad_run
+        self.summary = other.summary or self.summary
 
     def error(self, run_dir: Path | str | None = None) -> TrackingError:
         """A :class:`TrackingError` describing the failures, with the command that repairs them.

@@ -15,7 +15,8 @@ What a pass does (:meth:`Uploader.run`), each step a method of :class:`_Pass`:
    series (step = training step) for the records not yet logged (:mod:`.runpage`), and the
    per-handle and run-level tags (and the ``hookline.origin`` param), with ``log_batch``: a small
    pass sends points, tags and params in one request, while the files upload;
-4. once every file is uploaded, uploads the manifest(s), as ``hookline/manifest.json`` /
+4. once every file is uploaded, uploads the run's summary page (``hookline/summary.html``, see
+   :mod:`.runsummary`) and the manifest(s), as ``hookline/manifest.json`` /
    ``hookline/manifest.rank<r>.json``, then the sync record; a ``hookline.bytes`` tag that an
    upload failure made wrong is corrected last.
 
@@ -29,7 +30,7 @@ a moment before its files are complete; a failed pass says so, and the next pass
 
 Every MLflow call is bounded by the time budget (:class:`~.client.CallBudget`).
 
-(~630 lines, kept in one file: the steps of a pass share its state and the ordering rules above,
+(~640 lines, kept in one file: the steps of a pass share its state and the ordering rules above,
 which one reader must be able to check in one place.)
 
 Idempotence: files are compared by size + SHA-256 against the sync record and skipped when
@@ -70,6 +71,7 @@ from .report import SyncReport
 from .rundir import NormSeries, check_origin, created_ms, file_damage, file_digest, load_manifests, norm_fields, \
     read_series, series_since
 from .runpage import handle_tags, norm_points
+from .runsummary import SummaryPage
 from .syncstate import SyncState
 from .transfer import FileUpload, ParallelUploads
 
@@ -310,6 +312,7 @@ class _Pass:
         #: norm series read while a file was checked (opened once): (handle id, rank) -> (records, series)
         self.series: dict[tuple[str, int | None], tuple[int, list[NormSeries]]] = {}
         self.origin: dict[str, str] | None = None  # the origin params (None: the run is not fetched yet)
+        self._summary_page = SummaryPage(run_dir, up.rank)
 
     def _arrive(self, run: Any, running: ParallelUploads) -> None:
         """Take in the fetched MLflow run: its tags and params, the origin check (before anything
@@ -327,6 +330,12 @@ class _Pass:
 
     def execute(self) -> None:
         """Run the steps (module docstring) in order."""
+        try:
+            self._steps()
+        finally:
+            self._summary_page.discard()  # (a page this pass did not upload: errors, or files pending)
+
+    def _steps(self) -> None:
         self.manifests = load_manifests(self.run_dir, self.rank)
         self.client = self.up.client
         self.up.reach()
@@ -337,6 +346,7 @@ class _Pass:
         try:
             if self.mode != PassMode.METRICS:  # (threads started while the run is fetched)
                 running.prestart(sum(1 for p in self.plans if p.entry.get("file")))
+                self._summary_page.start()  # (drawn while the files upload)
             uploads = self._files_to_upload(running, fetching)  # (each starts as soon as its file is checked)
             if self.origin is None:
                 self._arrive(fetching.result(), running)
@@ -598,26 +608,37 @@ class _Pass:
     # -- step 4: manifests -----------------------------------------------------------------------
 
     def _upload_manifests(self) -> None:
+        with self._summary_page as summary:  # (before the manifests: a run with a manifest has its page)
+            if summary is not None and self._upload_small(summary, listed=False):
+                self.report.summary = f"{ARTIFACT_ROOT}/{summary.name}"
         for mpath, _man in self.manifests:
-            digest = file_digest(mpath, self.hashes)
-            apath = f"{ARTIFACT_ROOT}/{mpath.name}"
-            if self.state.get(apath) == digest:
+            self._upload_small(mpath)
+
+    def _upload_small(self, mpath: Path, listed: bool = True) -> bool:
+        """Upload ``mpath`` as ``hookline/<name>`` unless the sync record has it unchanged;
+        ``listed``: name it in the report's ``uploaded``/``skipped``. Returns whether it is there."""
+        digest = file_digest(mpath, self.hashes)
+        apath = f"{ARTIFACT_ROOT}/{mpath.name}"
+        if self.state.get(apath) == digest:
+            if listed:
                 self.report.skipped.append(apath)
-                continue
-            try:
-                if self.repo is not None:
-                    self.budget.call(f"the upload of {apath!r}", self.repo.log_artifact, str(mpath), ARTIFACT_ROOT,
-                                     size=mpath.stat().st_size)
-                else:
-                    self.budget.call(f"the upload of {apath!r}", self.client.log_artifact, self.run_id, str(mpath),
-                                     ARTIFACT_ROOT, size=mpath.stat().st_size)
-            except TrackingUnreachableError:
-                raise
-            except Exception as e:  # noqa: BLE001
-                self.report.errors.append(f"upload of {apath!r} failed: {short_error(e)}")
-                continue
+            return True
+        try:
+            if self.repo is not None:
+                self.budget.call(f"the upload of {apath!r}", self.repo.log_artifact, str(mpath), ARTIFACT_ROOT,
+                                 size=mpath.stat().st_size)
+            else:
+                self.budget.call(f"the upload of {apath!r}", self.client.log_artifact, self.run_id, str(mpath),
+                                 ARTIFACT_ROOT, size=mpath.stat().st_size)
+        except TrackingUnreachableError:
+            raise
+        except Exception as e:  # noqa: BLE001
+            self.report.errors.append(f"upload of {apath!r} failed: {short_error(e)}")
+            return False
+        if listed:
             self.report.uploaded.append(apath)
-            self.state.put(apath, digest)
+        self.state.put(apath, digest)
+        return True
 
 
 @functools.lru_cache(maxsize=1)

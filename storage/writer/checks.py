@@ -21,7 +21,7 @@ __all__ = ["FieldValue", "check_handle_names", "check_seconds", "check_steps", "
            "meta_conflicts"]
 
 #: How to fix a bad ``autoflush_s`` (RunWriter, Recorder).
-AUTOFLUSH_FIX = "pass e.g. 300, or None to seal only at flush() and close()"
+AUTOFLUSH_FIX = "pass e.g. 60, or None to seal only at flush() and close()"
 
 #: What ``write()`` takes per field: an array, or ``(raw_bits, dtype_name)``.
 FieldValue = Union[np.ndarray, "tuple[np.ndarray, str]"]

@@ -31,6 +31,7 @@ from ..errors import HookTypeError, InvalidArgumentError, StorageError, UnknownN
 from ..format import manifest_name, rank_suffix
 from ..keys import handle_key
 from ..lifecycle import weak_closer
+from ..live import AUTOFLUSH_S
 from .checks import AUTOFLUSH_FIX, FieldValue, check_handle_names, check_seconds, check_steps, checked_fields, \
     json_meta, meta_conflicts
 from .context import WriterContext
@@ -63,8 +64,9 @@ class RunWriter:
         world_size: number of ranks; with ``world_size > 1`` file names carry ``.rank<r>``.
         meta: JSON-serialisable run metadata (stored in the manifest and every file).
         autoflush_s: seal open segments (like :meth:`flush`, without waiting) when this many
-            seconds passed since the last flush, bounding what a crash can lose; None disables.
-            A positive finite number (else ``InvalidArgumentError``, before anything is created).
+            seconds passed since the last flush, bounding what a crash can lose and how long a
+            live run looks empty to readers; None disables. Default 60. A positive finite number
+            (else ``InvalidArgumentError``, before anything is created).
         merge_on_close: merge each handle's segments into one ``<key>.h5`` at :meth:`close`.
             With False, segments stay (readable by ``open_run``; ``verify(repair=True)`` merges).
         fsync: fsync files and directories at flush/close (power-loss durability).
@@ -99,7 +101,7 @@ class RunWriter:
         rank: int | None = None,
         world_size: int | None = None,
         meta: Mapping[str, Any] | None = None,
-        autoflush_s: float | None = 300.0,
+        autoflush_s: float | None = AUTOFLUSH_S,
         merge_on_close: bool = True,
         fsync: bool = True,
         writeback_mb: float | None = 32,

@@ -181,17 +181,23 @@ def test_sync_uploads_files_tags_and_metrics(store, new_run, tmp_path):
     # bookkeeping: the digests in the sync record, the total size in one run tag, the origin a param
     files = ("outputs/blocks.0.h5", "grads/blocks.0.h5", "manifest.json")
     digests = {f"hookline/{rel}": f"{(built.path / rel).stat().st_size}:{sha256(built.path / rel)}" for rel in files}
-    assert _sync_record(client, rid, tmp_path / "state") == digests
+    record = _sync_record(client, rid, tmp_path / "state")
+    assert record.pop("hookline/summary.html").split(":")[0].isdigit()  # the summary page, made from the run
+    assert record == digests
     assert tags["hookline.bytes"] == str(sum((built.path / rel).stat().st_size for rel in files[:2]))
     assert not any(":" in v and len(v) > 64 for v in tags.values()), tags  # no digest is a tag
     assert run.data.params["hookline.origin"] == json.loads((built.path / "manifest.json").read_text())["run_uuid"]
-    # per-step norm series and their running maximum: a line each, no single-point metric
-    assert set(run.data.metrics) == {metric_key(h, built.fields[h], s) for h in built.data for s in ("norm", "norm_max")}
+    # per-step norm series (one chart per field) and for gradients their running maximum: a line
+    # each, no single-point metric
+    assert set(run.data.metrics) == ({metric_key(h, built.fields[h]) for h in built.data}
+                                     | {metric_key("grads[blocks.0]", built.fields["grads[blocks.0]"], "norm_max")})
     for hid in ("outputs[blocks.0]", "grads[blocks.0]"):
         f = built.fields[hid]
         hist = _history(client, rid, metric_key(hid, f))
         assert [s for s, _ in hist] == list(built.steps[hid])
         np.testing.assert_allclose([v for _, v in hist], built.norms(hid), rtol=1e-5)
+        if not hid.startswith("grads"):
+            continue
         mx = _history(client, rid, metric_key(hid, f, "norm_max"))
         assert [s for s, _ in mx] == list(built.steps[hid])
         np.testing.assert_allclose([v for _, v in mx], np.maximum.accumulate(built.norms(hid)), rtol=1e-5)
@@ -214,10 +220,9 @@ def test_sync_is_idempotent(store, new_run, tmp_path):
     client.log_text(rid, json.dumps({"format": "hookline-sync", "files": record}), "hookline/sync.json")
     third = sync(built.path, rid, tracking_uri=store)
     assert third.ok and third.uploaded == ["hookline/grads/blocks.0.h5"] and third.metrics > 0
-    for hid in ("outputs[blocks.0]", "grads[blocks.0]"):
-        for stat in ("norm", "norm_max"):
-            hist = client.get_metric_history(rid, metric_key(hid, built.fields[hid], stat))
-            assert len(hist) == 4, (hid, stat, hist)
+    for hid, stat in (("outputs[blocks.0]", "norm"), ("grads[blocks.0]", "norm"), ("grads[blocks.0]", "norm_max")):
+        hist = client.get_metric_history(rid, metric_key(hid, built.fields[hid], stat))
+        assert len(hist) == 4, (hid, stat, hist)
     assert len(client.list_artifacts(rid, "hookline/grads")) == 1
 
 
@@ -405,6 +410,8 @@ def test_server_killed_mid_run_then_sync_completes_without_duplicates(mlflow_ser
     for hid in built.data:
         hist = _history(client, rid, metric_key(hid, built.fields[hid]))
         assert [s for s, _ in hist] == list(built.steps[hid])  # every step exactly once
+        if not hid.startswith("grads"):
+            continue
         # the running max has a point per record, none twice, across the passes
         mx = _history(client, rid, metric_key(hid, built.fields[hid], "norm_max"))
         assert [s for s, _ in mx] == list(built.steps[hid])
@@ -771,9 +778,10 @@ FIVE = [HandleSpec(f"outputs[blocks.{i}]", LINEAR, "outputs.0") for i in range(3
 def test_a_final_pass_fetches_its_run_once_and_sends_no_separate_probe(mlflow_server_factory, tmp_path):
     """The pass's get_run is its reachability probe, and the uploads go straight to the run's
     artifact repository (MLflow's log_artifact would fetch the run again): one runs/get, one PUT
-    per file, manifest and sync record, one log-batch for a small pass. The handle files upload
-    side by side; the manifest is sent once every one of them is stored, the sync record once the
-    manifest is (the access log has a request's line once it is answered)."""
+    per file, summary page, manifest and sync record, one log-batch for a small pass. The handle
+    files upload side by side; the summary page and then the manifest are sent once every one of
+    them is stored, the sync record once the manifest is (the access log has a request's line once
+    it is answered)."""
     from mlflow import MlflowClient
 
     server = mlflow_server_factory()
@@ -789,8 +797,9 @@ def test_a_final_pass_fetches_its_run_once_and_sends_no_separate_probe(mlflow_se
     assert got[0] == "GET /api/2.0/mlflow/runs/get", got  # (nothing is sent before the run is checked)
     puts = [r for r in got if r.startswith("PUT ")]
     data = [i for i, r in enumerate(puts) if r.endswith(".h5")]
-    assert len(data) == len(FIVE) and len(puts) == len(FIVE) + 2, got
-    assert puts[-2].endswith("/hookline/manifest.json") and max(data) < len(puts) - 2, got
+    assert len(data) == len(FIVE) and len(puts) == len(FIVE) + 3, got
+    assert puts[-3].endswith("/hookline/summary.html") and max(data) < len(puts) - 3, got
+    assert puts[-2].endswith("/hookline/manifest.json"), got
     assert puts[-1].endswith("/hookline/sync.json"), got
 
 

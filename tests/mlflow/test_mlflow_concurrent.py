@@ -71,7 +71,9 @@ def test_a_file_the_server_fails_to_store_mid_pass_is_reported_and_uploaded_by_t
     assert again.ok, again.errors
     assert sorted(again.uploaded) == sorted([bad, "hookline/manifest.json"]), again  # only what was missing
     assert sorted(again.skipped) == others, again
-    assert sorted(_record(client, rid, tmp_path / "rec2")) == sorted([*others, bad, "hookline/manifest.json"])
+    assert again.summary == "hookline/summary.html"  # (the page, made once every file is there)
+    assert sorted(_record(client, rid, tmp_path / "rec2")) == sorted([*others, bad, "hookline/manifest.json",
+                                                                      "hookline/summary.html"])
     stored = _server_path(server, run, bad)
     assert stored.is_file() and stored.read_bytes() == (built.path / "outputs" / "blocks.1.h5").read_bytes()
 

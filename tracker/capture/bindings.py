@@ -136,6 +136,7 @@ class HandleBindings:
             )
         if not state.sampled:
             return  # a handle the user activated on a step that is not sampled
+        state.fired = True
         hid = binding.handle_id
         with state.lock:  # CUDA backward hooks run on autograd's device threads
             # Per handle id (not per binding: a hook removed and registered again continues the

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import sys
 import threading
 import weakref
 from contextlib import contextmanager
@@ -16,12 +17,14 @@ from hookline.storage.budget import Budget
 from hookline.storage.errors import HookTypeError, InvalidArgumentError
 from hookline.storage.format import manifest_name
 from hookline.storage.lifecycle import weak_closer
+from hookline.storage.live import AUTOFLUSH_S
 from hookline.storage.mlflow.client import budget_seconds
 from hookline.storage.writer import RunWriter, WriterStats
 
 from .bindings import HandleBindings
 from .convert import BufferPool
 from .distributed import broadcast_run_id, check_same_handles, detect
+from .empty import EmptyStepCheck
 from .hook import CaptureHook, CaptureOptions
 from .live import LiveUpdates, check_intervals
 from .packer import BlockPacker
@@ -80,7 +83,8 @@ class Recorder:
             (None: only at :meth:`flush` and :meth:`close`). Default 60.
         autoflush_s: the writer seals what it holds (durable, readable, and visible to the
             MLflow updates) every this many seconds without waiting for :meth:`flush`
-            (None: only at :meth:`flush` and :meth:`close`). Default 300.
+            (None: only at :meth:`flush` and :meth:`close`). Default 60 (cost: docs/performance.md,
+            "Sealing while training runs").
         rank, world_size: distributed rank information (stored in file names and attributes);
             default: taken from an initialised ``torch.distributed`` process group. Under
             ``torch.distributed`` the constructor and :meth:`close` are collectives: every rank
@@ -116,7 +120,7 @@ class Recorder:
         resume: bool = False,
         grad_scaler: torch.amp.GradScaler | None = None,
         mlflow_update_s: float | None = 60.0,
-        autoflush_s: float | None = 300.0,
+        autoflush_s: float | None = AUTOFLUSH_S,
     ) -> None:
         self.run_dir = check_run_dir(run_dir)
         self.every, self.steps = every, steps = check_sampling(every, steps)
@@ -168,7 +172,7 @@ class Recorder:
         )
         self.rank, self.world_size = rank, world_size
         self._live = LiveUpdates(self._mlflow, self.run_dir / manifest_name(rank, world_size), update_s)
-        self._state = StepState(every, steps, str(self.run_dir))
+        self._state, self._empty = StepState(every, steps, str(self.run_dir)), EmptyStepCheck(str(self.run_dir))
         # Records are packed into chunk-sized host blocks (reused buffers: warm pages) and
         # handed to the writer a block at a time. Free buffers kept for reuse share the open
         # blocks' part of the budget (SPEC §8), also when ragged shapes leave pooled buffers
@@ -257,7 +261,14 @@ class Recorder:
         self._live.tick()  # (a clock read; now and then a background MLflow pass)
         if self._inf_steps is not None:
             self._inf_steps.boundary(step)
+        if step != self._state.step:
+            self._step_ended()
         self._set_current(step)
+
+    def _step_ended(self) -> None:
+        """The current step ends: warn (once) when it was sampled and recorded nothing."""
+        if self._state.recorded_nothing:
+            self._empty.step_ended(self._state.step, self._bindings.handle_ids())  # type: ignore[arg-type]
 
     def _set_current(self, step: int) -> None:
         state = self._state
@@ -276,10 +287,14 @@ class Recorder:
         state = self._state
         outer = state.step
         self.set_step(step)
+        ended = False  # (a step cut short by an exception is not checked for records)
         try:
             yield state.step  # type: ignore[misc]
+            ended = True
         finally:
             if outer is None or state.closed:
+                if ended and not state.closed:
+                    self._step_ended()
                 state.step = None
             else:  # nested: the outer step goes on (its sampling and call counts included)
                 self._set_current(outer)
@@ -302,6 +317,7 @@ class Recorder:
             with state.lock:
                 state.paused -= 1
                 self._bindings.suspend_all(state.holds_off)
+                state.released = state.released or (state.step is not None and not state.holds_off)
 
     def _note_inf_steps(self, steps: list[int]) -> None:
         # The writer's run metadata goes into the manifest at the next flush/close; the value
@@ -358,6 +374,8 @@ class Recorder:
             return self.summary()
         atexit.unregister(self._atexit)
         self._collected.detach()
+        if sys.exc_info()[0] is None:  # (closed while handling training's exception: the step was cut short)
+            self._step_ended()  # (a loop of set_step() calls: its last step ends here)
         failure: BaseException | None = None
         try:
             self._packer.drain(final=True)  # a record racing in from another thread now fails

@@ -94,6 +94,10 @@ class StepState:
         self.sampled = True
         self.paused = 0  # depth of paused() contexts
         self.closed = False
+        #: the current step released the handles at some moment (sampled, not paused)
+        self.released = False
+        #: a handle recorded in the current step
+        self.fired = False
         self.lock = threading.Lock()
 
     def is_sampled(self, step: int) -> bool:
@@ -113,11 +117,21 @@ class StepState:
             have changed: the handles' suspension is to be applied again).
         """
         sampled = self.is_sampled(step)
+        if step != self.step:
+            self.fired = False
+            self.released = False
         self.step = step
+        self.released = self.released or (sampled and not self.paused)
         if sampled == self.sampled:
             return False
         self.sampled = sampled
         return True
+
+    @property
+    def recorded_nothing(self) -> bool:
+        """Whether the current step is sampled, released its handles at some moment, and no
+        handle recorded in it (checked when the step ends)."""
+        return self.step is not None and self.sampled and self.released and not self.fired
 
     def check_open(self) -> None:
         """Raise WriterClosedError once the recorder is closed."""

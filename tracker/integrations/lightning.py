@@ -47,7 +47,10 @@ class HooklineCallback(SessionCallback, Callback):
         every: record every N-th optimizer step. steps: exactly these steps instead.
         mode: ``"tensor"`` (default) or ``"stats"``.
         batch_slice: keep only the first K items of dimension 0. dtype: cast floating tensors.
-        run_dir: the run directory; default ``<trainer.default_root_dir>/hookline``.
+        run_dir: the run directory; default ``<trainer.default_root_dir>/hookline``, or when that
+            holds a run (fitting again with the same ``default_root_dir``) the first free
+            ``hookline-2``, ``-3``, ... beside it (``resume=True``: the last one). A ``run_dir=``
+            that holds a run is refused (``RunExistsError``) when the callback is made.
         **recorder_kwargs: any other :class:`~hookline.tracker.Recorder` keyword.
 
     Attributes:

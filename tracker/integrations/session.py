@@ -30,16 +30,17 @@ from typing import Any, Iterable
 
 from torch import nn
 
-from hookline.storage.errors import HookTypeError, InvalidArgumentError, MissingDependencyError
+from hookline.storage.errors import HookTypeError, InvalidArgumentError, MissingDependencyError, RunExistsError
 from hookline.tracker.capture.distributed import detect, gather
 from hookline.tracker.capture.hook import CaptureOptions
 from hookline.tracker.capture.recorder import Recorder
+from hookline.tracker.capture.run import held_run
 from hookline.tracker.capture.sampling import check_sampling
 from hookline.tracker.capture.summary import RecorderSummary
 from hookline.tracker.hooks.manager import HookManager
 from hookline.tracker.hooks.select import select
 
-__all__ = ["CallbackOptions", "RecordingSession", "SessionCallback", "RECORDER_KEYWORDS", "missing_extra"]
+__all__ = ["CallbackOptions", "RecordingSession", "SessionCallback", "RECORDER_KEYWORDS", "missing_extra", "numbered_run_dir"]
 
 log = logging.getLogger("hookline")
 
@@ -61,6 +62,34 @@ def missing_extra(extra: str, framework: str, error: ImportError) -> MissingDepe
     return MissingDependencyError(
         f"hookline.tracker.integrations.{extra} needs {framework}: pip install 'hookline[{extra}]' "
         f"(import failed: {error})")
+
+
+def numbered_run_dir(base: Path, *, resume: bool = False, rank: int | None = None,
+                     world_size: int | None = None) -> Path:
+    """The run directory of a training run whose callback was given no ``run_dir=``: ``base``
+    (``<output_dir>/hookline``) unless it holds a run, else the first of ``base-2``, ``base-3``,
+    ... that holds none; so training again into the same output directory records a new run
+    beside the earlier ones, which stay untouched. With ``resume``: the last of them that holds
+    a run (the one to continue), or ``base``.
+
+    Every rank of a distributed run sees the same directories before any of them writes (the
+    session's first collective comes first), so all ranks choose the same one.
+    """
+    found = base
+    n = 1
+    while True:
+        candidate = base if n == 1 else base.with_name(f"{base.name}-{n}")
+        held = held_run(candidate, rank, world_size) is not None
+        if resume and not held:
+            return found
+        if not resume and not held:
+            return candidate
+        found, n = candidate, n + 1
+
+
+def _ranks(kwargs: dict[str, Any]) -> tuple[int | None, int | None]:
+    """The ``rank``/``world_size`` Recorder keywords a callback was given (None: detected)."""
+    return kwargs.get("rank"), kwargs.get("world_size")
 
 
 def _check_patterns(kind: str, value: Any) -> tuple[str, ...] | None:
@@ -287,12 +316,49 @@ class SessionCallback:
         self.recorder: Recorder | None = None
         self.summary: RecorderSummary | None = None
         self.session: RecordingSession | None = None
+        self._planned: Path | None = None
+        if self.options.run_dir is not None and not recorder_kwargs.get("resume"):
+            self._refuse_held(self.options.run_dir, *_ranks(recorder_kwargs))  # before any trainer exists
+
+    def plan_run_dir(self, default_base: str | Path) -> Path:
+        """Choose the run directory of the next training run, and refuse now what the Recorder
+        would refuse later (called before the framework starts its MLflow run where the
+        framework lets a callback act that early).
+
+        Args:
+            default_base: the framework's default (``<output_dir>/hookline``); without
+                ``run_dir=`` the run records there, or into the first free ``<base>-N``
+                (:func:`numbered_run_dir`).
+
+        Raises:
+            RunExistsError: ``run_dir=`` holds a run and ``resume=True`` was not given.
+        """
+        kw = self.options.recorder
+        info = detect(*_ranks(kw))
+        resume = bool(kw.get("resume"))
+        run_dir = self.options.run_dir
+        if run_dir is None:
+            run_dir = numbered_run_dir(Path(default_base), resume=resume, rank=info.rank, world_size=info.world_size)
+        elif not resume:
+            self._refuse_held(run_dir, info.rank, info.world_size)
+        self._planned = run_dir
+        return run_dir
+
+    def _refuse_held(self, run_dir: Path, rank: int | None, world_size: int | None) -> None:
+        held = held_run(run_dir, rank, world_size)
+        if held:
+            raise RunExistsError(
+                f"{type(self).__name__}(run_dir={str(run_dir)!r}): it already holds a run ({held}); nothing was "
+                "started. Leave run_dir unset (each training then records into its own <output_dir>/hookline, "
+                "hookline-2, ...), pass a new directory, or resume=True to continue that run")
 
     def open_session(self, model: nn.Module, default_run_dir: str | Path, mlflow_run_id: str | None,
                      tracking_uri: str | None) -> None:
-        """Start recording a training run of ``model`` (see :meth:`RecordingSession.open`)."""
+        """Start recording a training run of ``model`` (see :meth:`RecordingSession.open`) into
+        the directory :meth:`plan_run_dir` chose (planned now if it was not called before)."""
         self.abort(RuntimeError("an earlier training run did not end"))  # it raised past the callback
-        self.session = RecordingSession.open(self.options, model, default_run_dir, mlflow_run_id, tracking_uri)
+        run_dir, self._planned = self._planned or self.plan_run_dir(default_run_dir), None
+        self.session = RecordingSession.open(self.options, model, run_dir, mlflow_run_id, tracking_uri)
         self.recorder = self.session.recorder
 
     def begin_step(self, step: int) -> None:

@@ -58,7 +58,11 @@ class HooklineCallback(SessionCallback, TrainerCallback):
         every: record every N-th optimizer step. steps: exactly these steps instead.
         mode: ``"tensor"`` (default) or ``"stats"`` (per-record summaries).
         batch_slice: keep only the first K items of dimension 0. dtype: cast floating tensors.
-        run_dir: the run directory; default ``<args.output_dir>/hookline``.
+        run_dir: the run directory; default ``<args.output_dir>/hookline``, or when that holds
+            a run (training again into the same ``output_dir``) the first free
+            ``<args.output_dir>/hookline-2``, ``-3``, ... (``resume=True``: the last one). A
+            ``run_dir=`` that holds a run is refused (``RunExistsError``) when the callback is
+            made, or when ``trainer.train()`` is called: before the Trainer starts an MLflow run.
         **recorder_kwargs: any other :class:`~hookline.tracker.Recorder` keyword
             (``max_buffer_mb``, ``compression``, ``meta``, ``resume``; ``mlflow_run_id`` and
             ``tracking_uri`` record into another MLflow run than the Trainer's).
@@ -78,7 +82,7 @@ class HooklineCallback(SessionCallback, TrainerCallback):
         """The Trainer was made with this callback: guard its ``train`` (see the module docstring)."""
         trainer = self._find_trainer()
         if trainer is not None:
-            self._guard(trainer, "train")
+            self._guard(trainer, "train", plan=True)
 
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
         """Open the session: the Recorder (in the Trainer's MLflow run) and its hooks on ``model``."""
@@ -86,14 +90,14 @@ class HooklineCallback(SessionCallback, TrainerCallback):
         if trainer is not None and not self._guarded(trainer, "train"):
             # Added after the Trainer was made: guard later train() calls, and this call's steps
             # (unless a failed step is retried with a smaller batch: auto_find_batch_size).
-            self._guard(trainer, "train")
+            self._guard(trainer, "train", plan=True)
             if not getattr(args, "auto_find_batch_size", False):
                 self._guard(trainer, "training_step")
         if (getattr(args, "auto_find_batch_size", False) and self.session is not None and self.session.is_open
                 and self.session.model is model):
             return  # train() goes on with a smaller batch after an out-of-memory step: same recording
         run_id, tracking_uri = _mlflow_run(trainer, args, state, model)
-        self.open_session(model, Path(args.output_dir or ".") / "hookline", run_id, tracking_uri)
+        self.open_session(model, _default_base(args), run_id, tracking_uri)
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         """An optimizer step (all its micro-batches) begins: record it as ``state.global_step``."""
@@ -125,14 +129,20 @@ class HooklineCallback(SessionCallback, TrainerCallback):
     def _guarded(self, trainer: Trainer, name: str) -> bool:
         return getattr(getattr(trainer, name, None), "hookline_guard", None) is self
 
-    def _guard(self, trainer: Trainer, name: str) -> None:
-        """Wrap ``trainer.<name>`` (on the instance) so that an exception aborts the recording."""
+    def _guard(self, trainer: Trainer, name: str, plan: bool = False) -> None:
+        """Wrap ``trainer.<name>`` (on the instance) so that an exception aborts the recording;
+        with ``plan``, each call first chooses (or refuses) the run directory, before the
+        Trainer's MLflowCallback starts a run."""
         if self._guarded(trainer, name):
             return
         inner: Callable[..., Any] = getattr(trainer, name)
 
         @functools.wraps(inner)
         def guarded(*args: Any, **kwargs: Any) -> Any:
+            if plan:  # refusals before the Trainer's MLflowCallback starts a run
+                self.plan_run_dir(_default_base(trainer.args))
+                if trainer.model is not None:
+                    self.options.select_modules(trainer.model)
             try:
                 return inner(*args, **kwargs)
             except BaseException as e:
@@ -141,6 +151,11 @@ class HooklineCallback(SessionCallback, TrainerCallback):
 
         guarded.hookline_guard = self  # type: ignore[attr-defined]
         setattr(trainer, name, guarded)
+
+
+def _default_base(args: Any) -> Path:
+    """``<output_dir>/hookline``: the default run directory (numbered when it holds a run)."""
+    return Path(args.output_dir or ".") / "hookline"
 
 
 def _mlflow_run(trainer: Trainer | None, args: Any, state: Any, model: Any) -> tuple[str | None, str | None]:
