@@ -76,7 +76,7 @@ class MlflowServer:
         self.artifacts = self.root / "artifacts"
         self.proc: subprocess.Popen | None = None
 
-    def start(self, timeout: float = 60.0) -> MlflowServer:
+    def start(self, timeout: float = 180.0) -> MlflowServer:
         """Start the server and poll ``/health`` until it answers (raises after ``timeout`` s)."""
         env = dict(os.environ, MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false")
         env.pop("MLFLOW_TRACKING_URI", None)
