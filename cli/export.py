@@ -1,10 +1,11 @@
-"""``hookline export RUN HANDLE FIELD``: one field's records to .npy, .csv or .h5; aligned fields
+"""``hookline export RUN HANDLE [FIELD]``: one field's records to .npy, .csv or .h5; aligned fields
 as a Hugging Face ``datasets`` directory with ``--format arrow`` (:mod:`.export_arrow`)."""
 
 from __future__ import annotations
 
 import csv
 import os
+import shlex
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
@@ -29,7 +30,7 @@ if TYPE_CHECKING:  # (storage is imported when a command runs: `hookline --help`
 @click.command(context_settings=CONTEXT_SETTINGS, short_help='Export a field to .npy, .csv or .h5, or aligned fields to Arrow.')
 @click.argument("run", metavar="RUN")
 @click.argument("handle", metavar="HANDLE", required=False)
-@click.argument("field", metavar="FIELD", required=False)
+@click.argument("field", metavar="[FIELD]", required=False)
 @click.option("--format", "fmt", type=click.Choice(["npy", "csv", "h5", "arrow"]), required=True,
               help="npy: one array (records, *shape); csv: one row per record (step, call, "
                    "flattened values); h5: datasets step, call, data (ragged: one dataset per record); "
@@ -50,9 +51,11 @@ def export(run: str, handle: str | None, field: str | None, fmt: str, out: str, 
            steps_spec: str | None, force: bool, quiet: bool, tracking_uri: str | None) -> None:
     """Export one field of one handle to a .npy, .csv or .h5 file, record by record.
 
-    Records are written in their stored order (by step, then call); every record of a selected
-    step is exported. npy and csv need a fixed per-record shape; a ragged field exports to h5.
-    A .npy export also writes PATH.steps.csv listing each row's step and call.
+    FIELD may be left out when the handle has one field. Records are written in their stored
+    order (by step, then call); every record of a selected step is exported. npy and csv need a
+    fixed per-record shape; a ragged field exports to h5. A .npy export also writes
+    PATH.steps.csv listing each row's step and call. The command names every file it wrote. A
+    csv of more than 16,384 columns (the most spreadsheet programs open) gets a warning.
 
     --format arrow writes a directory that datasets.load_from_disk reads: one column per field
     (named HANDLE/FIELD), rows aligned on (rank, step, call) and sample, plus columns step, call,
@@ -61,6 +64,7 @@ def export(run: str, handle: str | None, field: str | None, fmt: str, out: str, 
     \b
     Example:
       hookline export runs/baseline 'grads[fc1]' grad_out.0 --format npy --out g.npy
+      hookline export runs/baseline 'outputs[fc1]' --format npy --out o.npy
       hookline export runs/baseline 'outputs[fc2]' outputs.0 --format csv --out o.csv --steps 0:100
       hookline export runs:/0a1b... 'grads[fc1]' grad_out.0 --format h5 --out g.h5 --steps 0,10,20
       hookline export runs/baseline --format arrow --out acts --field 'outputs[fc1]/outputs.0'
@@ -70,16 +74,17 @@ def export(run: str, handle: str | None, field: str | None, fmt: str, out: str, 
 
         export_arrow_command(run, handle, field, refs, rows, out, steps_spec, force, quiet, tracking_uri)
         return
-    if handle is None or field is None:
-        raise click.UsageError(f"--format {fmt} exports one field: give HANDLE and FIELD")
+    if handle is None:
+        raise click.UsageError(f"--format {fmt} exports one field: give HANDLE (and FIELD when the handle has several)")
     if Path(out).is_dir():
         raise click.UsageError(f"--out {out!r} is a directory; --format {fmt} writes a file")
     from hookline.storage.words import plural
 
     mask_fn = parse_steps(steps_spec)
     outp = output_path(out, "--out")
-    if outp.exists() and not force:
-        raise click.ClickException(f"output {out!r} exists; pass --force to overwrite it")
+    for p in (outp, outp.with_name(outp.name + ".steps.csv")) if fmt == "npy" else (outp,):
+        if p.exists() and not force:
+            raise click.ClickException(f"output {str(p)!r} exists; pass --force to overwrite it")
     from hookline.storage.blocks import damage_note
     from hookline.storage.reader import LocalSource
 
@@ -93,6 +98,7 @@ def export(run: str, handle: str | None, field: str | None, fmt: str, out: str, 
             f"output {out!r} is inside the run directory {str(root)!r}; export to a path outside it"
         )
     h = r[handle]
+    field = field if field is not None else _only_field(handle, h.fields)
     note = damage_note(h)
     if note and field not in h.fields:
         raise click.ClickException(f"cannot export {field!r}: {note}")
@@ -116,6 +122,8 @@ def export(run: str, handle: str | None, field: str | None, fmt: str, out: str, 
         )
     if idx.size == 0:
         raise click.ClickException(f"{handle} {field} has no records to export")
+    if fmt == "csv":
+        _warn_wide_csv(out, shape)
     tmp = outp.with_name(outp.name + ".partial")
     with progress_bar(f"exporting {field}", int(idx.size), quiet=quiet) as advance:
         try:
@@ -134,6 +142,7 @@ def export(run: str, handle: str | None, field: str | None, fmt: str, out: str, 
         finally:
             if tmp.exists():
                 tmp.unlink()
+    written = out
     if fmt == "npy":
         side = outp.with_name(outp.name + ".steps.csv")
         with open(side, "w", newline="") as fh:
@@ -141,7 +150,33 @@ def export(run: str, handle: str | None, field: str | None, fmt: str, out: str, 
             w.writerow(["row", "step", "call"])
             for k, i in enumerate(idx):
                 w.writerow([k, int(steps[i]), int(calls[i])])
-    click.echo(safe_text(f"exported {plural(int(idx.size), 'record')} of {handle} {field} to {out}"))
+        written = f"{out} and {side} (the step and call of each row)"
+    click.echo(safe_text(f"exported {plural(int(idx.size), 'record')} of {handle} {field} to {written}"))
+
+
+#: Columns beyond which a csv export warns: the most that Excel and LibreOffice Calc open.
+WIDE_CSV_COLUMNS = 16_384
+
+
+def _only_field(handle: str, fields: list[str]) -> str:
+    """The handle's one field, for an export that names none."""
+    if len(fields) == 1:
+        return fields[0]
+    if not fields:
+        raise click.ClickException(f"handle {handle!r} has no fields to export (no readable records)")
+    raise click.ClickException(
+        f"handle {handle!r} has {len(fields)} fields ({', '.join(fields)}): name the one to export, "
+        f"e.g. hookline export RUN {shlex.quote(handle)} {shlex.quote(fields[0])} --format ... --out ...")
+
+
+def _warn_wide_csv(out: str, shape: tuple[int, ...]) -> None:
+    """Warn before writing a csv too wide for spreadsheet programs (one column per value)."""
+    values = int(np.prod(shape)) if shape else 1
+    if values + 2 > WIDE_CSV_COLUMNS:
+        click.echo(safe_text(
+            f"warning: {out} gets {values + 2:,} columns (step, call and {values:,} values per record), more "
+            f"than the {WIDE_CSV_COLUMNS:,} that spreadsheet programs open; --format npy or h5 keeps each "
+            "record's shape"), err=True)
 
 
 def _npy(f: Field, idx: np.ndarray, shape: tuple[int, ...], tmp: Path, advance: Callable[[int], None]) -> None:

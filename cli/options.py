@@ -12,6 +12,9 @@ from typing import Any, Callable, Iterator
 
 import click
 
+# (the one size format: binary units named as such, shared with the Recorder's summary)
+from hookline.storage.words import human_bytes
+
 CONTEXT_SETTINGS = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 
 
@@ -245,17 +248,6 @@ def clean_json(obj: Any) -> Any:
     if isinstance(obj, (list, tuple)):
         return [clean_json(v) for v in obj]
     return obj
-
-
-def human_bytes(n: int | float | None) -> str:
-    if n is None:
-        return "?"
-    n = float(n)
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(n) < 1024 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TB"  # pragma: no cover
 
 
 def fmt_num(x: Any, digits: int = 4) -> str:

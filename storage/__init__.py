@@ -55,6 +55,8 @@ _LAZY = {
     "SyncReport": "mlflow.report",
     "mlflow_source": "mlflow.source",
     "sync": "mlflow.sync",
+    "recorded_run_id": "mlflow.sync",
+    "verify_mlflow_run": "mlflow.verify_remote",
     "compare_runs": "compare",
     "iter_compare": "compare",
     "CompareResult": "compare",

@@ -273,7 +273,7 @@ def test_narrow_terminals_cut_no_cell(cli_runner, runs, columns):
     res = cli_runner.invoke(cli, ["compare", str(runs["a"]), str(runs["wide"])], env={"COLUMNS": columns})
     assert "shape mismatch" in res.stdout
     res = cli_runner.invoke(cli, ["show", str(runs["a"])], env={"COLUMNS": columns})
-    assert res.stdout.count(" KB") + res.stdout.count(" MB") >= 1 + len(open_run(runs["a"]).handles)
+    assert res.stdout.count(" KiB") + res.stdout.count(" MiB") >= 1 + len(open_run(runs["a"]).handles)
 
 
 # ----------------------------------------------------------------------------- export

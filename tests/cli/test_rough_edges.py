@@ -163,7 +163,7 @@ def test_run_names_do_not_break_at_80_columns(cli_runner, recorder_run, tmp_path
         assert all(len(line.rstrip()) <= int(columns) for line in lines), res.stdout
         for name in names:  # each name whole on one line
             assert any(name in line for line in lines), (name, res.stdout)
-        assert re.search(r"\d+\.\d KB", res.stdout), res.stdout  # the size column whole too
+        assert re.search(r"\d+\.\d KiB", res.stdout), res.stdout  # the size column whole too
 
 
 def test_example_trajectory_plot_labels_its_y_axis(runs):

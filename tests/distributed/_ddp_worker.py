@@ -1,4 +1,5 @@
-"""Worker for the 2-process gloo DDP tests (imported by torch.multiprocessing.spawn children)."""
+"""Worker for the 2-process gloo DDP tests (imported by torch.multiprocessing.spawn children): one
+process group runs every scenario of the tests in turn."""
 
 from __future__ import annotations
 
@@ -14,12 +15,29 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from hookline.tracker import HookManager, Recorder, select
 
 
-def train(rank: int, world: int, init_file: str, run_dir: str, uri: str | None, out_dir: str,
-          extra_handle_on_rank: int = -1, run_ids: tuple | None = None) -> None:
-    # A worker stuck for 150 s prints every thread's stack to stderr and exits, so the parent
-    # test fails with where it hung instead of running into pytest's timeout with no trace.
-    faulthandler.dump_traceback_later(150, exit=True)
+def train(rank: int, world: int, init_file: str, scenarios: list[dict], uri: str | None, out_dir: str) -> None:
+    """Run each scenario (``run_dir``, ``name``, and the keywords of :func:`_scenario`) in turn in
+    one process group: starting two processes costs far more than a scenario does. Every
+    scenario's failure is agreed on by both ranks, so they stay in step for the next one."""
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        for sc in scenarios:
+            # A worker stuck for 150 s prints every thread's stack to stderr and exits, so the parent
+            # test fails with where it hung instead of running into pytest's timeout with no trace.
+            faulthandler.dump_traceback_later(150, exit=True)
+            result = _scenario(rank, sc["run_dir"], uri if sc.get("mlflow") else None,
+                               sc.get("extra_handle_on_rank", -1), sc.get("run_ids"))
+            torch.save(result, Path(out_dir) / f"{sc['name']}.rank{rank}.pt")
+            # Go on together: a rank tearing gloo down (or starting the next scenario) while its
+            # peer is still in a collective can abort the peer.
+            dist.barrier()
+            faulthandler.cancel_dump_traceback_later()
+    finally:
+        dist.destroy_process_group()
+
+
+def _scenario(rank: int, run_dir: str, uri: str | None, extra_handle_on_rank: int, run_ids: tuple | None) -> dict:
+    """Train 3 steps of a DDP model recording into ``run_dir``; what each rank saw, or its error."""
     result: dict = {"rank": rank}
     try:
         torch.manual_seed(0)
@@ -30,7 +48,7 @@ def train(rank: int, world: int, init_file: str, run_dir: str, uri: str | None, 
             from mlflow import MlflowClient
 
             client = MlflowClient(uri)
-            run_id = client.create_run(client.create_experiment(f"ddp-{Path(run_dir).name}")).info.run_id
+            run_id = client.create_run(client.create_experiment(f"ddp-{Path(run_dir).parent.name}")).info.run_id
         if run_ids is not None:  # each rank passes its own (possibly conflicting) id
             run_id = run_ids[rank]
         mgr = HookManager()
@@ -62,10 +80,4 @@ def train(rank: int, world: int, init_file: str, run_dir: str, uri: str | None, 
     except Exception as e:  # reported to the parent test through the result file
         result["error"] = f"{type(e).__name__}: {e}"
         result["traceback"] = traceback.format_exc()
-    finally:
-        torch.save(result, Path(out_dir) / f"rank{rank}.pt")
-        # Leave together: a rank tearing gloo down while its peer is still in a collective can
-        # abort the peer ("terminate called without an active exception").
-        dist.barrier()
-        dist.destroy_process_group()
-        faulthandler.cancel_dump_traceback_later()
+    return result

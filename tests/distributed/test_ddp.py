@@ -1,4 +1,5 @@
-"""Two gloo processes training a DDP model record into one run and one MLflow run (SPEC §7)."""
+"""Two gloo processes training a DDP model record into one run and one MLflow run (SPEC §7); ranks
+that disagree fail clearly. One pair of processes runs every scenario in turn."""
 
 from __future__ import annotations
 
@@ -16,31 +17,49 @@ from hookline.cli.main import cli
 from hookline.storage import open_run
 
 
-def _spawn(tmp_path, uri, extra_handle_on_rank=-1, run_ids=None):
-    out = tmp_path / "out"
+#: The scenarios, all run in one pair of gloo processes (their start costs far more than a scenario).
+SCENARIOS = [
+    {"name": "one_run", "mlflow": True},
+    {"name": "different_handles", "extra_handle_on_rank": 1},
+    {"name": "different_run_ids", "run_ids": ("a" * 32, "b" * 32)},
+    {"name": "run_of_one_rank"},  # (rank 1's manifest is made first: see the fixture)
+]
+
+
+@pytest.fixture(scope="module")
+def ddp(tmp_path_factory, mlflow_server):
+    """``scenario name -> (tmp dir, [rank 0's result, rank 1's])`` of the two ranks' runs."""
+    from hookline.tracker import Recorder
+
+    root = tmp_path_factory.mktemp("ddp")
+    out = root / "out"
     out.mkdir()
-    ctx = mp.spawn(train, args=(2, str(tmp_path / "init"), str(tmp_path / "run"), uri, str(out),
-                                extra_handle_on_rank, run_ids),
-                   nprocs=2, join=False)
+    scenarios = [dict(sc, run_dir=str(root / sc["name"] / "run")) for sc in SCENARIOS]
+    Recorder(root / "run_of_one_rank" / "run", rank=1, world_size=2).close()
+    ctx = mp.spawn(train, args=(2, str(root / "init"), scenarios, mlflow_server, str(out)), nprocs=2, join=False)
     exits = []
     while True:
         try:
-            if ctx.join(timeout=120):
+            if ctx.join(timeout=300):
                 break
         except mp.ProcessExitedException as e:
             # gloo occasionally aborts a process while tearing the group down ("terminate called
-            # without an active exception"), after the worker saved its result; every result is
+            # without an active exception"), after the worker saved its results; every result is
             # still checked below, and a process that died before saving fails the test.
             exits.append(str(e))
             if all(not p.is_alive() for p in ctx.processes):
                 break
-    missing = [r for r in range(2) if not (out / f"rank{r}.pt").exists()]
-    assert not missing, f"ranks {missing} died before reporting: {exits}"
-    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    results = {}
+    for sc in SCENARIOS:
+        files = [out / f"{sc['name']}.rank{r}.pt" for r in range(2)]
+        missing = [r for r, f in enumerate(files) if not f.exists()]
+        assert not missing, f"{sc['name']}: ranks {missing} died before reporting: {exits}"
+        results[sc["name"]] = (root / sc["name"], [torch.load(f, weights_only=False) for f in files])
+    return results
 
 
-def test_ddp_two_ranks_one_run(tmp_path, mlflow_server):
-    results = _spawn(tmp_path, mlflow_server)
+def test_ddp_two_ranks_one_run(ddp, mlflow_server):
+    tmp_path, results = ddp["one_run"]
     for r in results:
         assert "error" not in r, r.get("traceback")
         assert r["names"] == ["0", "2"]
@@ -95,8 +114,8 @@ def test_ddp_two_ranks_one_run(tmp_path, mlflow_server):
                for r in json.loads(res.output)["results"])
 
 
-def test_ranks_with_different_handles_fail_clearly_without_hanging(tmp_path):
-    results = _spawn(tmp_path, None, extra_handle_on_rank=1)
+def test_ranks_with_different_handles_fail_clearly_without_hanging(ddp):
+    tmp_path, results = ddp["different_handles"]
     for r in results:
         assert "ranks registered different hook handles" in r.get("error", ""), r
         assert "inputs[relu]" in r["error"]
@@ -104,21 +123,19 @@ def test_ranks_with_different_handles_fail_clearly_without_hanging(tmp_path):
     assert open_run(tmp_path / "run").ranks == [0, 1]
 
 
-def test_ranks_with_different_mlflow_run_ids_fail_clearly(tmp_path):
+def test_ranks_with_different_mlflow_run_ids_fail_clearly(ddp):
     a, b = "a" * 32, "b" * 32
-    results = _spawn(tmp_path, None, run_ids=(a, b))
+    _, results = ddp["different_run_ids"]
     for r in results:  # raised on every rank, right at construction, no hang
         assert "ranks disagree on mlflow_run_id" in r.get("error", ""), r
         assert a in r["error"] and b in r["error"]
 
 
-def test_a_run_only_one_rank_would_mix_into_is_refused_on_every_rank(tmp_path):
+def test_a_run_only_one_rank_would_mix_into_is_refused_on_every_rank(ddp):
     """Rank 1's manifest is there (rank 0's is not): only rank 1 sees a run of its own, yet every
-    rank raises at construction (an agreed check), so none goes on to hang in a collective."""
-    from hookline.tracker import Recorder
-
-    Recorder(tmp_path / "run", rank=1, world_size=2).close()
-    results = _spawn(tmp_path, None)
+    rank raises at construction (an agreed check), so none goes on to hang in a collective (and
+    both go on to the next scenario)."""
+    tmp_path, results = ddp["run_of_one_rank"]
     for r in results:
         assert r.get("error", "").startswith("RunExistsError"), r
         assert "manifest.rank1.json" in r["error"]

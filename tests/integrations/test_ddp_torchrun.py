@@ -14,6 +14,10 @@ import pytest
 
 pytest.importorskip("transformers", reason="the transformers extra is part of hookline[test]")
 
+#: The slower, fuller variant of tests/distributed/test_ddp.py (two gloo ranks, one run, one MLflow
+#: run) and of the single-process Trainer tests: not in the default run; `pytest -m slow` (CI).
+pytestmark = pytest.mark.slow
+
 from _integ_support import artifact_files, experiment_runs  # noqa: E402
 
 from hookline.storage import open_run  # noqa: E402

@@ -67,6 +67,18 @@ VARIANTS = plan()
 SYNC_VARIANTS = sync_plan(VARIANTS)
 
 
+def _params(variants: list[Variant], default: Any) -> list[Any]:
+    """The variants as test parameters: those ``default(v)`` picks run by default, the others
+    are the ``slow`` (fuller) set that ``pytest -m slow`` (CI) runs."""
+    return [pytest.param(v, id=v.id, marks=() if default(v) else pytest.mark.slow) for v in variants]
+
+
+#: By default the first seed of every mutation kind of every base run (all kinds are covered), and
+#: the hand-picked sync variants (:data:`SYNC_IDS`); every other seed in the slow set.
+VARIANT_PARAMS = _params(VARIANTS, lambda v: v.seed == 0)
+SYNC_PARAMS = _params(SYNC_VARIANTS, lambda v: v.id in SYNC_IDS)
+
+
 @dataclass
 class Bases:
     """The session's base runs (and sentinels), their original records and the h5py ground truth."""
@@ -302,7 +314,7 @@ def run_isolated(case: Case, runner: Any, steps: list[tuple[str, Callable[[Case,
 
 
 @pytest.mark.timeout(300, method="thread")  # a backstop only: every operation has its own bound
-@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: v.id)
+@pytest.mark.parametrize("variant", VARIANT_PARAMS)
 def test_variant(variant: Variant, bases: Bases, tmp_path: Path, runner: Any) -> None:
     case = make_case(variant, bases, tmp_path)
     run_isolated(case, runner, STEPS)
@@ -318,6 +330,9 @@ def test_the_plan_covers_the_issue() -> None:
     assert kinds >= {"h5-meta-flip", "h5-data-flip", "h5-trunc", "json-type", "json-num", "json-path", "json-del",
                      "json-flip", "json-trunc", "json-ctrl", "symlink-out", "fifo", "dir"}
     assert 20 <= len(SYNC_VARIANTS) <= 40, len(SYNC_VARIANTS)
+    # the default run (not slow) still meets every mutation kind of every base run
+    default = {p.values[0] for p in VARIANT_PARAMS if not p.marks}
+    assert {(v.base, v.kind) for v in default} == {(v.base, v.kind) for v in VARIANTS}
     assert set(SYNC_IDS) <= set(ids), set(SYNC_IDS) - set(ids)
 
 
@@ -393,7 +408,7 @@ def judge_uploads(case: Case, bases: Bases, uploaded: dict[str, str], damaged: s
 
 
 @pytest.mark.timeout(300, method="thread")
-@pytest.mark.parametrize("variant", SYNC_VARIANTS, ids=lambda v: v.id)
+@pytest.mark.parametrize("variant", SYNC_PARAMS)
 def test_sync_variant(variant: Variant, bases: Bases, tmp_path: Path, runner: Any,
                       mlflow_experiment: tuple[Any, str, str]) -> None:
     """``hookline sync`` of a variant to a fresh MLflow run on the real server (see the module

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import time
 from pathlib import Path
 
 import numpy as np
@@ -87,3 +89,13 @@ def open_files_under(run_dir: Path, suffix: str = "") -> int:
             continue
         n += target.startswith(str(run_dir)) and target.endswith(suffix)
     return n
+
+
+def wait_for_progress(progress: Path, lines: int, proc: subprocess.Popen, timeout: float = 60.0) -> None:
+    """Wait until the writer ``proc`` has added a line to ``progress`` (beyond ``lines``): it got
+    past its start-up and flushed once; polled, so a slow start costs only its own time."""
+    t_end = time.monotonic() + timeout
+    while time.monotonic() < t_end and proc.poll() is None:
+        if progress.exists() and len(progress.read_text().split()) > lines:
+            return
+        time.sleep(0.01)

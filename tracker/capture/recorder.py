@@ -65,7 +65,8 @@ class Recorder:
 
     Args:
         run_dir: directory of the run (created; must not already hold a run unless ``resume``).
-        every: record every N-th step (``step % every == 0``). Default 1.
+        every: record every N-th step (``step % every == 0``). Default 1: every step, each record
+            a full copy of its tensors (the bytes per step: docs/capture.md, Steps and sampling).
         steps: explicit steps to record instead of ``every``.
         max_buffer_mb: memory budget for data captured but not yet on disk: the blocks being
             filled (at most a quarter of it, and at most 64 MB) plus what the writer holds.

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from hookline.storage import WriterStats
+from hookline.storage.words import human_bytes
 
 __all__ = ["HandleSummary", "RecorderSummary"]
 
@@ -65,12 +66,12 @@ class RecorderSummary:
                          f"records captured, {sum(h.on_disk for h in self.handles.values())} reached the disk "
                          f"(those flushed before the failure)")
         else:
-            lines.append(f"hookline run {self.run_dir}: {self.records} records, {self.bytes / 1e6:.1f} MB"
+            lines.append(f"hookline run {self.run_dir}: {self.records} records, {human_bytes(self.bytes)}"
                          + (f", {self.dropped} DROPPED (policy 'drop')" if self.dropped else "")
                          + f", {self.storage.blocked_seconds:.2f} s blocked on the disk")
         for h in self.handles.values():
             lines.append(
-                f"  {h.handle_id:<40} {h.records:>7} rec {h.bytes / 1e6:>9.2f} MB"
+                f"  {h.handle_id:<40} {h.records:>7} rec {human_bytes(h.bytes):>10}"
                 f" {h.dropped:>5} dropped {h.hook_seconds * 1e3:>8.1f} ms in hooks"
                 + (f" {h.on_disk:>7} on disk" if self.failed else "")
             )

@@ -44,7 +44,8 @@ class HooklineCallback(SessionCallback, Callback):
         outputs, inputs, grads: select pattern(s) of the modules whose outputs, inputs or
             gradients are recorded (names relative to the LightningModule); None: not recorded.
         types: keep only modules of these classes.
-        every: record every N-th optimizer step. steps: exactly these steps instead.
+        every: record every N-th optimizer step (default 1: every step, full tensors of every
+            selected module; size: docs/integrations.md, Keywords). steps: exactly these steps instead.
         mode: ``"tensor"`` (default) or ``"stats"``.
         batch_slice: keep only the first K items of dimension 0. dtype: cast floating tensors.
         run_dir: the run directory; default ``<trainer.default_root_dir>/hookline``, or when that

@@ -61,7 +61,7 @@ def missing_extra(extra: str, framework: str, error: ImportError) -> MissingDepe
     the extra that installs it (``pip install 'hookline[<extra>]'``)."""
     return MissingDependencyError(
         f"hookline.tracker.integrations.{extra} needs {framework}: pip install 'hookline[{extra}]' "
-        f"(import failed: {error})")
+        f"(in a clone of hookline's repository: pip install -e '.[{extra}]'; import failed: {error})")
 
 
 def numbered_run_dir(base: Path, *, resume: bool = False, rank: int | None = None,

@@ -55,7 +55,8 @@ class HooklineCallback(SessionCallback, TrainerCallback):
         inputs: pattern(s) of the modules whose inputs are recorded (forward pre hooks).
         grads: pattern(s) of the modules whose gradients are recorded (backward hooks).
         types: keep only modules of these classes (e.g. ``torch.nn.Linear``).
-        every: record every N-th optimizer step. steps: exactly these steps instead.
+        every: record every N-th optimizer step (default 1: every step, full tensors of every
+            selected module; size: docs/integrations.md, Keywords). steps: exactly these steps instead.
         mode: ``"tensor"`` (default) or ``"stats"`` (per-record summaries).
         batch_slice: keep only the first K items of dimension 0. dtype: cast floating tensors.
         run_dir: the run directory; default ``<args.output_dir>/hookline``, or when that holds
