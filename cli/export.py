@@ -142,20 +142,24 @@ def export(run: str, handle: str | None, field: str | None, fmt: str, out: str, 
         finally:
             if tmp.exists():
                 tmp.unlink()
-    written = out
-    if fmt == "npy":
-        side = outp.with_name(outp.name + ".steps.csv")
-        with open(side, "w", newline="") as fh:
-            w = csv.writer(fh)
-            w.writerow(["row", "step", "call"])
-            for k, i in enumerate(idx):
-                w.writerow([k, int(steps[i]), int(calls[i])])
-        written = f"{out} and {side} (the step and call of each row)"
+    written = _npy_steps(out, outp, idx, steps, calls) if fmt == "npy" else out
     click.echo(safe_text(f"exported {plural(int(idx.size), 'record')} of {handle} {field} to {written}"))
 
 
 #: Columns beyond which a csv export warns: the most that Excel and LibreOffice Calc open.
 WIDE_CSV_COLUMNS = 16_384
+
+
+def _npy_steps(out: str, outp: Path, idx: np.ndarray, steps: np.ndarray, calls: np.ndarray) -> str:
+    """Write ``PATH.steps.csv`` beside a .npy export (the step and call of each row); the files
+    written, as the command reports them."""
+    side = outp.with_name(outp.name + ".steps.csv")
+    with open(side, "w", newline="") as fh:
+        w = csv.writer(fh)
+        w.writerow(["row", "step", "call"])
+        for k, i in enumerate(idx):
+            w.writerow([k, int(steps[i]), int(calls[i])])
+    return f"{out} and {side} (the step and call of each row)"
 
 
 def _only_field(handle: str, fields: list[str]) -> str:

@@ -82,7 +82,7 @@ def test_existing_outputs_and_bad_references(tmp_path):
     code, out = _export(str(run), "--format", "arrow", "--out", str(run / "inside"), "--field", A)
     assert code == 1 and "inside the run directory" in out
     code, out = _export(str(run), "--format", "npy", "--out", str(tmp_path / "z.npy"))
-    assert code == 2 and "--format npy exports one field: give HANDLE and FIELD" in out
+    assert code == 2 and "--format npy exports one field: give HANDLE" in out
 
 
 def test_complex_fields_are_refused_and_nothing_is_written(tmp_path):
