@@ -41,6 +41,7 @@ from ._fs import check_max_open_files
 from ._h5read import FileLRU, Part, PartField, open_part
 from .errors import FormatError, HookTypeError, InvalidArgumentError, RecordIndexError, StorageError, UnknownNameError
 from .format import MANIFEST_RE, check_manifest, final_name, rank_suffix
+from .identity import foreign, missing_fields
 from .local import LocalSource, names_hint
 from .sources import find_source
 
@@ -63,16 +64,18 @@ class LazyPart:
         rank: the rank it belongs to (None when not distributed).
         lru: the run's open-file bound.
         records: how many records the manifest says the file holds (None: not known).
+        run_uuid: the run's identity from its manifest (a file of another run is refused).
         part: the opened :class:`Part`, or None before the first :meth:`open`.
     """
 
     def __init__(self, source: Any, rel: str, rank: int | None, lru: FileLRU | None = None,
-                 records: int | None = None):
+                 records: int | None = None, run_uuid: Any = None):
         self.source = source
         self.rel = rel
         self.rank = rank
         self.lru = lru
         self.records = records
+        self.run_uuid = run_uuid
         self.part: Part | None = None
 
     def open(self, handle_id: str) -> Part:
@@ -80,7 +83,7 @@ class LazyPart:
 
         Raises:
             StorageError: the file cannot be opened (``__cause__`` is the ``OSError``).
-            FormatError: the file belongs to another handle than ``handle_id``.
+            FormatError: the file belongs to another handle than ``handle_id``, or to another run.
         """
         if self.part is None:
             path = self.source.path(self.rel)
@@ -88,9 +91,9 @@ class LazyPart:
                 part = open_part(path, self.lru)
             except OSError as e:
                 raise StorageError(f"cannot open {str(path)!r} of handle {handle_id!r}: {e}") from e
-            if part.handle_id != handle_id:
+            if (why := foreign(part.attrs, handle_id, self.run_uuid)) is not None:
                 part.close()
-                raise FormatError(f"{str(path)!r} belongs to handle {part.handle_id!r}, expected {handle_id!r}")
+                raise FormatError(f"{str(path)!r} is not a file of handle {handle_id!r} of this run: {why}")
             self.part = part
         return self.part
 
@@ -266,9 +269,9 @@ class Handle:
         self._quick = (quick and settled is not None and hasattr(src, "discover")
                        and all(_merged(m, e) and settled(m, e["file"]) for m, e in self._entries))
         for m, e in self._entries:
-            rank = m.get("rank")
+            rank, ru = m.get("rank"), m.get("run_uuid")
             if self._quick:  # (the file name is confined when it opens: source.path)
-                self._listed.append(LazyPart(src, e["file"], rank, run.files, e["records"]))
+                self._listed.append(LazyPart(src, e["file"], rank, run.files, e["records"], ru))
             elif hasattr(src, "discover"):
                 try:
                     d = src.discover(e.get("key"), rank_suffix(rank, m.get("world_size")))
@@ -276,10 +279,10 @@ class Handle:
                     self._refused.append(f"handle {self.id!r}: {err}")
                     continue
                 self.gaps.extend((rank, a, b) for a, b in d.gaps)
-                self._listed.extend(LazyPart(src, f.name, rank, run.files) for f in d.cover)
-                self._broken.extend(d.broken)  # (still bytes on disk)
+                self._listed.extend(LazyPart(src, f.name, rank, run.files, run_uuid=ru) for f in d.cover)
+                self._broken.extend(d.broken + d.blocked)  # (still bytes on disk)
             elif e.get("records", 1) or e.get("file"):
-                self._listed.append(LazyPart(src, e["file"], rank, run.files))
+                self._listed.append(LazyPart(src, e["file"], rank, run.files, run_uuid=ru))
         self._lazy = list(self._listed)  # the readable ones, once loaded
 
     # --- loading -------------------------------------------------------------------------------------
@@ -306,7 +309,12 @@ class Handle:
 
     def _missing_records(self) -> str | None:
         """A closed run's manifest counting more records than its files hold: files were deleted
-        or replaced (never silent; a live run's manifest lags its files, never leads them)."""
+        or replaced (never silent; a live run's manifest lags its files, never leads them); or
+        listing fields none of its files hold."""
+        gone = sorted({nm for m, e in self._entries for nm in missing_fields(m, e, self._names)})
+        if gone:
+            return (f"handle {self.id!r}: the manifest lists fields {gone} that none of its files hold "
+                    f"(files damaged or replaced; run `hookline verify`)")
         claimed = sum(e.get("records") or 0 for _, e in self._entries if isinstance(e.get("records"), int))
         if claimed > self._n and all(m.get("status") == "closed" for m, _ in self._entries):
             return (f"handle {self.id!r}: the manifest lists {claimed} records, its files hold {self._n} "
