@@ -523,7 +523,13 @@ class Field:
         return order, self.steps[order]
 
     def step_indices(self, step: int) -> np.ndarray:
-        """Entry indices recorded at ``step``, in record order (O(log n) after the first call)."""
+        """Entry indices recorded at ``step``, in record order (O(log n) after the first call).
+
+        Raises:
+            HookTypeError: ``step`` is not an int.
+        """
+        if isinstance(step, (bool, np.bool_)) or not isinstance(step, (int, np.integer)):
+            raise HookTypeError(f"step must be an int, got {type(step).__name__} {step!r:.60}")
         order, sorted_steps = self._step_order
         lo, hi = np.searchsorted(sorted_steps, step, "left"), np.searchsorted(sorted_steps, step, "right")
         return np.sort(order[lo:hi])

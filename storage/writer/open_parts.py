@@ -94,7 +94,7 @@ class OpenParts:
         handles = list(handles)
         ahead = None
         if len(self.active) >= CREATE_AHEAD_MIN:
-            ahead = CreateAhead(h.part.partial for h in handles if h.part is not None)
+            ahead = CreateAhead((h.part.partial for h in handles if h.part is not None), self.ctx.run_dir)
         done: list[tuple[WriterHandle, OpenPart]] = []
         try:
             for h in handles:

@@ -150,7 +150,8 @@ class RunWriter:
         writeback_bytes = int((writeback_mb or 0) * (1 << 20))
         ctx = WriterContext(self.run_dir, fsync, compression_rules, writeback_bytes,
                             Writeback(writeback_bytes), self._identity,
-                            PartTools(self._queue.release, FileSlots(self.max_open_files, self._stats)))
+                            PartTools(self._queue.release, FileSlots(self.max_open_files, self._stats),
+                                      root=self.run_dir))
         manifest = ManifestWriter(manifest_path, self._identity, fsync)
         self._thread = WriterThread(ctx, self._queue, self._handles, self._stats, self.budget, manifest,
                                     autoflush_s=autoflush_s, merge_on_close=merge_on_close)
@@ -176,14 +177,15 @@ class RunWriter:
             handle_id: the hook handle id, e.g. ``"outputs[blocks.0]"``.
             module_name: qualified module name.
             module_type: module class, e.g. ``"torch.nn.modules.linear.Linear"``.
-            category: ``"forward_hook"``, ``"forward_pre_hook"`` or ``"backward_hook"``.
+            category: ``"forward_hook"``, ``"forward_pre_hook"``, ``"backward_hook"``, or ``""``
+                (not a hook: data written by other means).
             hook_fn_name: the hook function's name.
             meta: JSON-serialisable per-handle metadata.
 
         Raises:
             InvalidArgumentError: the id or a name contains a control character or is too long
-                (:func:`~hookline.storage.keys.check_name`), or ``meta`` differs from the
-                handle's earlier metadata.
+                (:func:`~hookline.storage.keys.check_name`), ``category`` is not one of the
+                above, or ``meta`` differs from the handle's earlier metadata.
             HookTypeError: the id is not a str, or ``meta`` cannot be stored as JSON.
         """
         self._check_open()
