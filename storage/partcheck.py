@@ -14,9 +14,10 @@ import numpy as np
 from ._h5read import Part, PartField, open_part
 from ._merge import COPY_BLOCK_BYTES
 from .errors import FormatError, StorageError
+from .hashes import block_failures
 from .words import plural
 
-__all__ = ["check_part", "checksum_failures", "record_ranges", "unreadable_data", "raise_if_environment",
+__all__ = ["check_part", "checksum_failures", "hash_failures", "record_ranges", "unreadable_data", "raise_if_environment",
            "ENVIRONMENT_ERRNOS"]
 
 
@@ -25,12 +26,16 @@ def check_part(p: Part) -> dict[str, int]:
 
     Every index entry is checked (:mod:`._h5read` checks an index when it loads it): the record
     numbers of every field, its norms, and the offset and shape of every ragged entry; the first
-    and last entry of every field are read.
+    and last entry of every field are read; a field with checksums (HDF5's fletcher32, or
+    hookline's chunk hashes: :mod:`.hashes`) is read whole and checked.
     """
     if len(p.steps) != p.n or len(p.calls) != p.n:
         raise FormatError(f"index length mismatch (records={p.n})")
     counts = {}
     bad = [msg for nm in p.field_names if (msg := checksum_failures(p.field(nm), p.handle_id))]
+    if bad:
+        raise FormatError("; ".join(bad))
+    bad = [msg for nm in p.field_names if (msg := hash_failures(p.field(nm), p.handle_id))]
     if bad:
         raise FormatError("; ".join(bad))
     for nm in p.field_names:
@@ -66,6 +71,26 @@ def checksum_failures(pf: PartField, hid: str) -> str | None:
         bad.extend((x, min(b, x + c0)) for x in range(a, b, c0) if not _reads(ds, x, min(b, x + c0)))
     if not bad:
         return None
+    return _damaged_records(pf, hid, bad, "fail their checksum")
+
+
+def hash_failures(pf: PartField, hid: str) -> str | None:
+    """Read a field whose file stores chunk hashes (:mod:`.hashes`) block by block and compare;
+    the records of the blocks that differ, as ranges of global record numbers, or None (also
+    for a file without hashes)."""
+    try:
+        bad = block_failures(pf, read_bytes=COPY_BLOCK_BYTES)
+    except OSError as e:
+        if e.errno is not None:
+            raise
+        return f"handle {hid!r}: field {pf.name!r}: its data does not read: {e}"
+    if not bad:
+        return None
+    return _damaged_records(pf, hid, bad, "fail their xxh3 chunk hash")
+
+
+def _damaged_records(pf: PartField, hid: str, bad: list[tuple[int, int]], what: str) -> str:
+    """The problem of a field whose items ``bad`` (ranges along axis 0) failed a check."""
     if pf.shape is not None:
         entries = [j for x, y in bad for j in range(x, min(y, pf.count))]
     else:  # (ragged: the entries whose elements overlap a failing chunk)
@@ -73,8 +98,7 @@ def checksum_failures(pf: PartField, hid: str) -> str | None:
         entries = [j for x, y in bad for j in np.nonzero((offs < y) & (offs + sizes > x))[0].tolist()]
     recs = sorted({int(r) for r in pf.records[sorted(set(entries))]}) if entries else []
     where = record_ranges(recs) or f"items {bad[0][0]}-{bad[-1][1] - 1} past the last record"
-    return (f"handle {hid!r}: field {pf.name!r}: {where} fail their checksum (data damaged on disk; "
-            f"the other records read)")
+    return f"handle {hid!r}: field {pf.name!r}: {where} {what} (data damaged on disk; the other records read)"
 
 
 def _reads(ds: Any, a: int, b: int) -> bool:

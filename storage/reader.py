@@ -117,7 +117,8 @@ class Run:
         files: the :class:`FileLRU` bounding the files open at once (``max_open_files``).
     """
 
-    def __init__(self, source: Any, where: str = "", max_open_files: int | None = None):
+    def __init__(self, source: Any, where: str = "", max_open_files: int | None = None,
+                 verify_checksums: bool = False):
         capacity = check_max_open_files(max_open_files, 4, 256)
         self.source = source
         self.path = where
@@ -138,7 +139,7 @@ class Run:
         self.ranks: list[int | None] = [m.get("rank") for m in self._manifests]
         self._cache: dict[tuple[str, int | None], Handle] = {}
         #: Files open at once (least recently used closed first, reopened when read again).
-        self.files = FileLRU(capacity)
+        self.files = FileLRU(capacity, verify_checksums)
 
     @cached_property
     def manifests(self) -> list[dict[str, Any]]:
@@ -526,10 +527,10 @@ class Field:
         """Entry indices recorded at ``step``, in record order (O(log n) after the first call).
 
         Raises:
-            HookTypeError: ``step`` is not an int.
+            InvalidArgumentError: ``step`` is not an int.
         """
         if isinstance(step, (bool, np.bool_)) or not isinstance(step, (int, np.integer)):
-            raise HookTypeError(f"step must be an int, got {type(step).__name__} {step!r:.60}")
+            raise InvalidArgumentError(f"step must be an int, got {type(step).__name__} {step!r:.60}")
         order, sorted_steps = self._step_order
         lo, hi = np.searchsorted(sorted_steps, step, "left"), np.searchsorted(sorted_steps, step, "right")
         return np.sort(order[lo:hi])
@@ -649,7 +650,8 @@ def _kind(path: str | Path) -> str | None:
 
 
 def open_run(path_or_uri: str | os.PathLike[str], *, tracking_uri: str | None = None,
-             cache_dir: str | os.PathLike[str] | None = None, max_open_files: int | None = None) -> Run:
+             cache_dir: str | os.PathLike[str] | None = None, max_open_files: int | None = None,
+             verify_checksums: bool = False) -> Run:
     """Open a recorded run for reading.
 
     Args:
@@ -661,6 +663,10 @@ def open_run(path_or_uri: str | os.PathLike[str], *, tracking_uri: str | None = 
         max_open_files: most files kept open at once; reading one more closes the least recently
             read (it reopens when read again: ~0.3 ms, measured). None: a quarter of the open-file
             limit (``ulimit -n``) minus 64, between 8 and 256.
+        verify_checksums: every read checks the chunk hashes of the blocks it reads (once per
+            block; a block is read whole: about a chunk, ~1 MiB). Damage raises
+            :class:`FormatError` naming the file, field and entries. Files without hashes read
+            unchecked.
 
     Returns:
         The :class:`Run` (lazy: files open on first access).
@@ -682,7 +688,7 @@ def open_run(path_or_uri: str | os.PathLike[str], *, tracking_uri: str | None = 
         s = s.decode()
     remote = find_source(s, tracking_uri)  # runs:/... (registered by hookline.storage)
     if remote is not None:
-        return Run(remote(s, tracking_uri=tracking_uri, cache_dir=cache_dir), s, max_open_files)
+        return Run(remote(s, tracking_uri=tracking_uri, cache_dir=cache_dir), s, max_open_files, verify_checksums)
     p = Path(s)
     kind = _kind(s)
     if kind == "file" and MANIFEST_RE.fullmatch(p.name):
@@ -691,4 +697,4 @@ def open_run(path_or_uri: str | os.PathLike[str], *, tracking_uri: str | None = 
     if kind != "dir":
         raise StorageError(f"no run directory {s!r}: give the directory a RunWriter/Recorder wrote "
                            f"(or runs:/<mlflow run id>)")
-    return Run(LocalSource(p), s, max_open_files)  # (no manifest and no hookline file: FormatError)
+    return Run(LocalSource(p), s, max_open_files, verify_checksums)  # (no manifest and no hookline file: FormatError)

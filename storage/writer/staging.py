@@ -108,6 +108,7 @@ class PartTools:
             numbers, norms, ragged offsets and shapes), written when a part is finished: the
             writer seals every part when they reach :attr:`Budget.index_bytes`.
         root: the run directory (parts make their folders inside it, never it).
+        hashes: parts store chunk hashes (:mod:`..hashes`).
     """
 
     release: Callable[[int], None]
@@ -119,6 +120,7 @@ class PartTools:
     lent_staged: int = 0
     index: int = 0
     root: Path | None = None
+    hashes: bool = True
 
     def lend(self, copy: np.ndarray) -> None:
         """``copy`` (a shared block's rows, copied once) is held by the views staged from it: its

@@ -53,7 +53,7 @@ def test_step_indices_wants_an_int(tmp_path):
         f = run["h"]["x"]
         assert f.step_indices(3).tolist() == [0] and f.step_indices(np.int64(3)).tolist() == [0]
         for bad in ("a", 3.0, None, True):
-            with pytest.raises(HookTypeError, match=repr(bad)):
+            with pytest.raises(InvalidArgumentError, match=repr(bad)):
                 f.step_indices(bad)
 
 
