@@ -20,7 +20,6 @@ from array import array
 from typing import Any
 
 import numpy as np
-import xxhash
 
 from ._h5check import damaged
 
@@ -41,6 +40,8 @@ class ChunkHasher:
     __slots__ = ("rows", "block_bytes", "_h", "_filled", "digests")
 
     def __init__(self, row_bytes: int, rows: int) -> None:
+        import xxhash  # (writers need it; a reader of files without hashes does not)
+
         self.rows = int(rows)
         self.block_bytes = max(1, int(row_bytes) * self.rows)
         self._h = xxhash.xxh3_64()
@@ -72,6 +73,8 @@ class ChunkHasher:
 
 def hash_rows(data: np.ndarray) -> int:
     """XXH3-64 of ``data``'s bytes in C order (one block)."""
+    import xxhash
+
     return xxhash.xxh3_64_intdigest(memoryview(np.ascontiguousarray(data)).cast("B"))
 
 

@@ -312,14 +312,14 @@ class Handle:
         """A closed run's manifest counting more records than its files hold: files were deleted
         or replaced (never silent; a live run's manifest lags its files, never leads them); or
         listing fields none of its files hold."""
-        gone = sorted({nm for m, e in self._entries for nm in missing_fields(m, e, self._names)})
-        if gone:
-            return (f"handle {self.id!r}: the manifest lists fields {gone} that none of its files hold "
-                    f"(files damaged or replaced; run `hookline verify`)")
         claimed = sum(e.get("records") or 0 for _, e in self._entries if isinstance(e.get("records"), int))
         if claimed > self._n and all(m.get("status") == "closed" for m, _ in self._entries):
             return (f"handle {self.id!r}: the manifest lists {claimed} records, its files hold {self._n} "
                     f"(files missing or replaced; run `hookline verify`)")
+        gone = sorted({nm for m, e in self._entries for nm in missing_fields(m, e, self._names)})
+        if gone:
+            return (f"handle {self.id!r}: the manifest lists fields {gone} that none of its files hold "
+                    f"(files damaged or replaced; run `hookline verify`)")
         return None
 
     def _report(self, errors: list[StorageError | FormatError], missing: str | None = None) -> None:
