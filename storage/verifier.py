@@ -234,7 +234,8 @@ def _verify_handle(run_dir: Path, m: dict, hid: str, entry: dict, suffix: str, r
     claimed = entry.get("records")
     if isinstance(claimed, int) and claimed > hr.records:
         hr.problems.append(f"manifest says {plural(claimed, 'record')}, {hr.records} readable")
-    damaged = any(p.startswith("unreadable file") for p in hr.problems)  # (its fields are missing too)
+    damaged = (any(p.startswith("unreadable file") for p in hr.problems)  # (its fields are missing too)
+               or any(r.startswith("moved unreadable") for r in hr.repaired))
     for nm in [] if damaged else missing_fields(m, entry, hr.fields):
         hr.problems.append(f"{MISSING_FIELD} {nm!r} is in none of the handle's files (removed or replaced)")
     final_rel = final_name(key, suffix)
