@@ -98,6 +98,21 @@ def listed_info(run: Run, hid: str) -> dict[str, Any]:
     }
 
 
+#: Handles ``show`` lists by default (each listed handle's files are opened; the rest of a huge
+#: run is summed from its manifests: one ``stat`` per handle).
+SHOW_LIMIT = 50
+
+
+def run_totals(run: Run) -> dict[str, Any]:
+    """Handles, records (the manifests' counts) and bytes of the handle files on disk (None for a
+    remote run) of the whole run, without opening a handle file."""
+    shared = getattr(run.source, "shared_manifests", None)  # (read-only; no copy of a huge manifest)
+    records = sum(int(e.get("records") or 0) for m in (shared() if shared is not None else run.manifests)
+                  for e in m["handles"].values())
+    files_bytes = getattr(run.source, "files_bytes", None)
+    return {"handles": len(run), "records": records, "bytes": files_bytes() if files_bytes is not None else None}
+
+
 def field_stats(fld: Field, advance: Callable[[int], None] = lambda n=1: None) -> dict[str, Any]:
     """Streamed statistics over all records: element min/max/mean and per-record L2 norms."""
     from hookline.storage.blocks import iter_records
@@ -149,20 +164,26 @@ def _shape_text(f: dict) -> str:
 @click.command(context_settings=CONTEXT_SETTINGS, short_help='Show what a run holds; with HANDLE, per-field statistics.')
 @click.argument("run", metavar="RUN")
 @click.argument("handle", metavar="[HANDLE]", required=False)
+@click.option("--limit", type=click.IntRange(min=0), default=SHOW_LIMIT, show_default=True,
+              help="List at most this many handles (0: all); a run with more is summarised: the title "
+                   "counts every handle, record and byte (from its manifest, no file opened).")
 @json_option
 @quiet_option
 @tracking_uri_option
-def show(run: str, handle: str | None, as_json: bool, quiet: bool, tracking_uri: str | None) -> None:
+def show(run: str, handle: str | None, limit: int, as_json: bool, quiet: bool, tracking_uri: str | None) -> None:
     """Show the handles, fields, dtypes, shapes, records, steps and bytes of a run.
 
     With HANDLE, also per-field statistics over all records (streamed): element min, max and
-    mean, and the per-record L2 norm (mean, max, last; --json adds min). RUN is a run directory,
+    mean, and the per-record L2 norm (mean, max, last; --json adds min). A run of more than
+    --limit handles (default 50) lists the first ones and sums up all of them (--json:
+    "handles" holds the listed ones, "total" the sums). RUN is a run directory,
     runs:/<id>, or an MLflow run id. A ragged field (shape varies across records) shows its
     shape as "ragged".
 
     \b
     Example:
       hookline show runs/baseline
+      hookline show runs/huge --limit 0
       hookline show runs/baseline 'grads[fc1]'
       hookline show runs:/0a1b2c... --json
     """
@@ -172,14 +193,18 @@ def show(run: str, handle: str | None, as_json: bool, quiet: bool, tracking_uri:
     if handle is None:
         # (a remote run's handles are listed from its manifests: no handle file is downloaded)
         describe = handle_info if isinstance(r.source, LocalSource) else listed_info
-        infos = [describe(r, h) for h in r.handles]
+        ids = r.handles
+        shown = ids if not limit or len(ids) <= limit else ids[:limit]
+        infos = [describe(r, h) for h in shown]
+        total = run_totals(r) if len(shown) < len(ids) else None
         for i in infos:
             if i["warning"]:
                 click.echo(f"warning: {safe_text(i['warning'])}", err=True)
         if as_json:
-            echo_json(clean_json({"run": run, "status": r.status, "meta": r.meta, "handles": infos}))
+            echo_json(clean_json({"run": run, "status": r.status, "meta": r.meta, "handles": infos,
+                                  **({"total": total} if total else {})}))
             return
-        _print_run(run, infos, r.status, r.meta)
+        _print_run(run, infos, r.status, r.meta, total)
         return
 
     info = handle_info(r, handle)  # unknown handle -> UnknownNameError -> one-line error
@@ -198,12 +223,17 @@ def show(run: str, handle: str | None, as_json: bool, quiet: bool, tracking_uri:
     _print_handle(run, info)
 
 
-def _print_run(run: str, infos: list[dict], status: str | None = None, meta: dict | None = None) -> None:
+def _print_run(run: str, infos: list[dict], status: str | None = None, meta: dict | None = None,
+               summary: dict | None = None) -> None:
     from hookline.storage.words import plural
     from rich import box
     from rich.table import Table
 
-    total = sum(i["bytes"] or 0 for i in infos)
+    total = sum(i["bytes"] or 0 for i in infos) if summary is None else summary["bytes"]
+    title = f"{esc(run)}: {plural(len(infos), 'handle')}, {human_bytes(total)}"
+    if summary is not None:
+        title = (f"{esc(run)}: {plural(summary['handles'], 'handle')}, {plural(summary['records'], 'record')}, "
+                 f"{human_bytes(total)}; the first {len(infos)} listed (--limit 0 lists all)")
     bits = [f"status {status}"] if status else []
     meta = meta or {}
     for key in ("mlflow_run_id", "torch_version", "every", "steps"):
@@ -217,7 +247,8 @@ def _print_run(run: str, infos: list[dict], status: str | None = None, meta: dic
         bits.append("meta " + ", ".join(f"{k}={v}" for k, v in list(extra.items())[:6]))
     if bits:
         console().print(safe_text("; ".join(bits)), soft_wrap=True, markup=False, highlight=False)
-    table = Table(box=box.SIMPLE_HEAD, show_edge=False, collapse_padding=True, title=f"{esc(run)}: {plural(len(infos), 'handle')}, {human_bytes(total)}", title_justify="left", pad_edge=False)
+    table = Table(box=box.SIMPLE_HEAD, show_edge=False, collapse_padding=True, title=title, title_justify="left",
+                  pad_edge=False)
     table.add_column("handle", overflow="fold", min_width=12)
     table.add_column("type", overflow="fold")
     table.add_column("field", overflow="fold", min_width=8)
@@ -241,6 +272,9 @@ def _print_run(run: str, infos: list[dict], status: str | None = None, meta: dic
                 human_bytes(i["bytes"]) if first else "",
             )
     print_table(table)
+    if summary is not None:
+        console().print(f"... and {plural(summary['handles'] - len(infos), 'more handle')} (hookline show RUN HANDLE "
+                        f"for one; --limit 0 lists all)", soft_wrap=True, markup=False, highlight=False)
 
 
 def _steps_text(i: dict) -> str:

@@ -22,6 +22,8 @@ from .errors import InvalidArgumentError, StorageError
 __all__ = [
     "WRITEBACK_BYTES",
     "CreateAhead",
+    "make_folder",
+    "run_dir_gone",
     "Writeback",
     "atomic_write_json",
     "check_max_open_files",
@@ -94,6 +96,35 @@ def publish(pairs: list[tuple[Path, Path]], fsync: bool) -> None:
             fsync_dir(d)
 
 
+def make_folder(root: Path, folder: Path) -> None:
+    """Create ``folder`` and the folders between it and the run directory ``root``, never ``root``
+    itself: a run directory deleted while its writer runs is not re-created.
+
+    Raises:
+        StorageError: ``root`` does not exist (any more).
+    """
+    cur = root
+    parts = folder.relative_to(root).parts
+    if not parts and not root.is_dir():
+        raise run_dir_gone(root)
+    for part in parts:
+        cur = cur / part
+        try:
+            os.mkdir(cur)
+        except FileExistsError:
+            pass
+        except FileNotFoundError:
+            raise run_dir_gone(root) from None
+
+
+def run_dir_gone(root: Path) -> StorageError:
+    """The error of a writer whose run directory was deleted (or moved) while it wrote."""
+    return StorageError(
+        f"the run directory {str(root)!r} was deleted (or moved) while the writer was recording into it; "
+        "the writer does not re-create it: records not flushed before are lost; start a new run (or restore "
+        "the directory and resume)")
+
+
 class CreateAhead:
     """Creates empty files on a thread of its own, ahead of the thread that will write them.
 
@@ -111,10 +142,12 @@ class CreateAhead:
 
     Args:
         paths: the files, in the order the writer will want them.
+        root: the run directory (folders are made inside it, never it: :func:`make_folder`).
     """
 
-    def __init__(self, paths: Iterable[Path]) -> None:
+    def __init__(self, paths: Iterable[Path], root: Path | None = None) -> None:
         self._paths = list(paths)
+        self._root = root
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="hookline-create-ahead", daemon=True)
         try:
@@ -129,7 +162,10 @@ class CreateAhead:
                 return
             try:
                 if path.parent not in made:
-                    path.parent.mkdir(parents=True, exist_ok=True)
+                    if self._root is None:
+                        path.parent.mkdir(parents=True, exist_ok=True)
+                    else:
+                        make_folder(self._root, path.parent)
                     made.add(path.parent)
                 os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666))
             except OSError:

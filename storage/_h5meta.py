@@ -18,6 +18,7 @@ from . import dtypes
 from ._filters import ensure_filters
 from ._h5check import HINT, Structure, attr_str, damaged
 from .errors import FormatError, HooklineError
+from .identity import is_utf8
 from .format import FILE_FORMAT, FORMAT_VERSION, INDEX_GROUP, MAX_STEP, check_field_name
 
 __all__ = ["FieldMeta", "PartMeta", "part_meta"]
@@ -38,7 +39,10 @@ def _str_attr(attrs: Any, key: str, where: str) -> str:
     v = attrs[key]
     if not isinstance(v, (str, bytes)):
         raise damaged(where, f"attribute {key!r} is {v!r:.60}, expected a string")
-    return attr_str(v)
+    text = attr_str(v)
+    if not is_utf8(text):  # (never a name of its own: a ghost handle or module)
+        raise damaged(where, f"attribute {key!r} is {v!r:.60}, which is not valid UTF-8")
+    return text
 
 
 #: Root attributes that are strings when present (docs/format.md section 3.1).

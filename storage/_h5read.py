@@ -22,6 +22,7 @@ import h5py
 import numpy as np
 from h5py import h5d, h5f, h5p, h5s
 
+from .hashes import check_entries
 from ._h5check import Structure, checked_structure, damaged
 from ._h5meta import FieldMeta, part_meta
 from .errors import HooklineError, StorageError
@@ -94,6 +95,9 @@ class PartField:
         self._norms: np.ndarray | None = None
         self._offsets: np.ndarray | None = None
         self._shapes: np.ndarray | None = None
+        lru = part._lru
+        #: hash blocks already checked (reads check the blocks they touch when the run verifies)
+        self._checked: set[int] | None = set() if lru is not None and lru.verify_checksums else None
 
     def _read_record(self, j: int) -> np.ndarray:
         """Entry ``j`` of a fixed field with records of at least one element, read through
@@ -181,7 +185,14 @@ class PartField:
         return tuple(int(x) for x in self.shapes[j])
 
     def read_stored(self, j: int) -> np.ndarray:
-        """Entry ``j`` (0-based within this file) in its stored dtype."""
+        """Entry ``j`` (0-based within this file) in its stored dtype.
+
+        Raises:
+            FormatError: the entry's data is damaged (also: it fails its chunk hash, when the
+                run was opened with ``verify_checksums=True``).
+        """
+        if self._checked is not None:
+            self._check(j, j + 1)
         if self.shape is not None:
             try:  # (no context manager on the one-record path: it costs as much as a small read)
                 if self._first:
@@ -198,11 +209,22 @@ class PartField:
     def read_block(self, a: int, b: int, out: np.ndarray | None = None) -> np.ndarray:
         """Entries ``[a, b)`` of a fixed field, stacked, stored dtype; into ``out`` (C-contiguous,
         shape ``(b - a, *shape)``) when given, without an intermediate array."""
+        if self._checked is not None:
+            self._check(a, b)
         with _reading(self._where, f"field {self.name!r}: entries [{a}, {b})"):
             if out is None:
                 return self.ds[a:b]
             self.ds.read_direct(out, np.s_[a:b])
             return out
+
+
+    def _check(self, a: int, b: int) -> None:
+        """Check the chunk hashes of the blocks holding entries ``[a, b)`` (once per block)."""
+        if self.shape is None and b > a:  # (ragged: the entries' elements)
+            sizes = np.prod(self.shapes[a:b], axis=1) if self.ndim else np.ones(b - a, np.int64)
+            a, b = int(self.offsets[a]), int(self.offsets[b - 1] + sizes[-1])
+        with _reading(self._where, f"field {self.name!r}: entries [{a}, {b})"):
+            check_entries(self, a, b, self._checked)
 
 
 @contextmanager
@@ -228,10 +250,14 @@ def _raise_damage(e: OSError, where: str, what: str) -> None:
 class FileLRU:
     """Keeps at most ``capacity`` parts' files open: using one more closes the least recently
     used one, which reopens on its next use (a reader of thousands of files stays under the
-    open-file limit). Not for parts being merged: only readers use it."""
+    open-file limit). Not for parts being merged: only readers use it.
 
-    def __init__(self, capacity: int) -> None:
+    ``verify_checksums``: the run's reads check the chunk hashes (:mod:`.hashes`) of what they
+    read (``open_run(..., verify_checksums=True)``)."""
+
+    def __init__(self, capacity: int, verify_checksums: bool = False) -> None:
         self.capacity = max(1, capacity)
+        self.verify_checksums = verify_checksums
         self._open: OrderedDict[int, Part] = OrderedDict()
         self._lock = threading.Lock()
         self.reopened = 0  # statistics (tests)

@@ -24,6 +24,7 @@ from . import dtypes
 from ._filters import compression_kwargs
 from ._fs import WRITEBACK_BYTES, Writeback
 from .confine import clear_for_new_file
+from .hashes import HASH_DATASET, ChunkHasher
 from .format import (
     FILE_FORMAT,
     FORMAT_VERSION,
@@ -43,6 +44,7 @@ _STR_M = h5t.py_create(_STR_NP)  # (in memory: Python str objects)
 _I64_NP = np.dtype(np.int64)
 _I64_T = h5t.py_create(_I64_NP, logical=True)
 _F64_T = h5t.py_create(np.dtype(np.float64), logical=True)
+_U64_T = h5t.py_create(np.dtype(np.uint64), logical=True)
 _SCALAR = h5s.create(h5s.SCALAR)
 
 
@@ -170,6 +172,8 @@ class FieldOut:
             a chunk holds whole records).
         n: entries along axis 0 (records for a fixed field, elements for a ragged one).
         records, norms, offsets, shapes: index arrays appended by the caller, in record order.
+        hasher: the field's chunk hashes (:mod:`.hashes`), fed what is appended; None when the
+            file has none.
     """
 
     def __init__(self, f: h5py.File, spec: FieldSpec, expected: int, owner: HandleFileWriter) -> None:
@@ -199,6 +203,8 @@ class FieldOut:
             self.ds = _create_dataset(f.id, spec.name, h5t.py_create(st, logical=True), shape, self.chunk)
         self.n = 0  # entries along axis 0 (records for fixed, elements for ragged)
         self._tail = () if spec.ragged else tuple(spec.shape)
+        row_bytes = st.itemsize * (1 if spec.ragged else int(np.prod(spec.shape, dtype=np.int64)))
+        self.hasher = ChunkHasher(row_bytes, self.chunk[0]) if owner.hashes else None
         self.records: list[np.ndarray] = []
         self.norms: list[np.ndarray] = []
         self.offsets: list[np.ndarray] = []
@@ -219,6 +225,8 @@ class FieldOut:
         k = block.shape[0]
         if k == 0:
             return
+        if self.hasher is not None:  # (from the memory handed to HDF5: nothing is read back)
+            self.hasher.update(block)
         a, b = self.n, self.n + k
         self._extend(b)
         c0 = self.chunk[0]
@@ -263,7 +271,10 @@ class FieldOut:
         zeros = (0,) * len(self.spec.shape)
         wdc = self.ds.write_direct_chunk
         nbytes = 0
+        hasher = self.hasher
         for j, arr in enumerate(arrays):
+            if hasher is not None:
+                hasher.update(arr)
             wdc((a + j, *zeros), arr)
             nbytes += arr.nbytes
         self.n = a + k
@@ -301,11 +312,13 @@ class HandleFileWriter:
         record_start: global record number of this file's first record.
         writeback: a :class:`Writeback` shared with the writer's other open files, or a byte
             count for one of this file's own; 0 or None leaves writeback to the kernel.
+        hashes: store every field's chunk hashes (:mod:`.hashes`).
     """
 
     def __init__(self, path: Path, attrs: dict[str, Any], record_start: int,
-                 writeback: Writeback | int | None = WRITEBACK_BYTES) -> None:
+                 writeback: Writeback | int | None = WRITEBACK_BYTES, hashes: bool = True) -> None:
         self.path = Path(path)
+        self.hashes = hashes
         clear_for_new_file(self.path)  # (a symlink or FIFO left at this name is not written through)
         self.f: h5py.File | None = _create_file(self.path)
         self.writeback = writeback if isinstance(writeback, Writeback) else Writeback(writeback)
@@ -407,6 +420,11 @@ def _write_field_index(idx: h5g.GroupID, out: FieldOut) -> None:
         if spec.info.has_norm:
             nrm = np.concatenate(out.norms) if out.norms else np.zeros(0)
             _create_dataset(g, "norm", _F64_T, (m,), index_chunk(m), nrm.astype(np.float64)).close()
+        if out.hasher is not None:
+            hashes = out.hasher.finish()
+            hds = _create_dataset(g, HASH_DATASET, _U64_T, (len(hashes),), index_chunk(len(hashes)), hashes)
+            _set_attrs(hds, {"rows": np.int64(out.hasher.rows)})
+            hds.close()
         _set_attrs(out.ds, {"dtype": spec.dtype_name, "layout": "ragged" if spec.ragged else "fixed",
                            "ndim": np.int64(spec.ndim), "records": np.int64(m)})
         if spec.ragged:

@@ -16,6 +16,7 @@ from pathlib import Path
 from .confine import RunRoot
 from .errors import FormatError
 from ._h5check import records_end
+from .identity import access_problem
 
 __all__ = ["PartEntry", "Discovery", "discover_files", "cover"]
 
@@ -52,6 +53,8 @@ class Discovery:
     #: outputs of merges that were interrupted (copies: their records are in other files)
     leftovers: list[str] = field(default_factory=list)
     broken: list[tuple[str, str]] = field(default_factory=list)
+    #: files that exist but may not be read (permission denied, ...): not damage, never moved
+    blocked: list[tuple[str, str]] = field(default_factory=list)
 
 
 def cover(entries: list[PartEntry]) -> tuple[list[PartEntry], list[PartEntry], list[tuple[int, int]], int]:
@@ -143,6 +146,10 @@ def discover_files(run_dir: Path | RunRoot, key: str, suffix: str) -> Discovery:
         try:
             entries.append(PartEntry(rel, "final", 0, _records_of_final(d / nm)))
         except Exception as e:
-            out.broken.append((rel, f"{type(e).__name__}: {e}"))
+            why = access_problem(e)
+            if why is not None:
+                out.blocked.append((rel, why))
+            else:
+                out.broken.append((rel, f"{type(e).__name__}: {e}"))
     out.cover, out.superseded, out.gaps, out.end = cover(entries)
     return out

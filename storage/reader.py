@@ -44,6 +44,7 @@ from ._fs import check_max_open_files
 from ._h5read import FileLRU, Part, PartField, open_part
 from .errors import FormatError, HookTypeError, InvalidArgumentError, RecordIndexError, StorageError, UnknownNameError
 from .format import MANIFEST_RE, check_manifest, final_name, rank_suffix
+from .identity import foreign, missing_fields
 from .live import not_sealed_yet
 from .local import LocalSource, names_hint
 from .shards import LogicalField, logical_field
@@ -68,16 +69,18 @@ class LazyPart:
         rank: the rank it belongs to (None when not distributed).
         lru: the run's open-file bound.
         records: how many records the manifest says the file holds (None: not known).
+        run_uuid: the run's identity from its manifest (a file of another run is refused).
         part: the opened :class:`Part`, or None before the first :meth:`open`.
     """
 
     def __init__(self, source: Any, rel: str, rank: int | None, lru: FileLRU | None = None,
-                 records: int | None = None):
+                 records: int | None = None, run_uuid: Any = None):
         self.source = source
         self.rel = rel
         self.rank = rank
         self.lru = lru
         self.records = records
+        self.run_uuid = run_uuid
         self.part: Part | None = None
 
     def open(self, handle_id: str) -> Part:
@@ -85,7 +88,7 @@ class LazyPart:
 
         Raises:
             StorageError: the file cannot be opened (``__cause__`` is the ``OSError``).
-            FormatError: the file belongs to another handle than ``handle_id``.
+            FormatError: the file belongs to another handle than ``handle_id``, or to another run.
         """
         if self.part is None:
             path = self.source.path(self.rel)
@@ -93,9 +96,9 @@ class LazyPart:
                 part = open_part(path, self.lru)
             except OSError as e:
                 raise StorageError(f"cannot open {str(path)!r} of handle {handle_id!r}: {e}") from e
-            if part.handle_id != handle_id:
+            if (why := foreign(part.attrs, handle_id, self.run_uuid)) is not None:
                 part.close()
-                raise FormatError(f"{str(path)!r} belongs to handle {part.handle_id!r}, expected {handle_id!r}")
+                raise FormatError(f"{str(path)!r} is not a file of handle {handle_id!r} of this run: {why}")
             self.part = part
         return self.part
 
@@ -119,7 +122,8 @@ class Run:
         files: the :class:`FileLRU` bounding the files open at once (``max_open_files``).
     """
 
-    def __init__(self, source: Any, where: str = "", max_open_files: int | None = None):
+    def __init__(self, source: Any, where: str = "", max_open_files: int | None = None,
+                 verify_checksums: bool = False):
         capacity = check_max_open_files(max_open_files, 4, 256)
         self.source = source
         self.path = where
@@ -140,7 +144,7 @@ class Run:
         self.ranks: list[int | None] = [m.get("rank") for m in self._manifests]
         self._cache: dict[tuple[str, int | None], Handle] = {}
         #: Files open at once (least recently used closed first, reopened when read again).
-        self.files = FileLRU(capacity)
+        self.files = FileLRU(capacity, verify_checksums)
 
     @cached_property
     def manifests(self) -> list[dict[str, Any]]:
@@ -278,9 +282,9 @@ class Handle:
         self._quick = (quick and settled is not None and hasattr(src, "discover")
                        and all(_merged(m, e) and settled(m, e["file"]) for m, e in self._entries))
         for m, e in self._entries:
-            rank = m.get("rank")
+            rank, ru = m.get("rank"), m.get("run_uuid")
             if self._quick:  # (the file name is confined when it opens: source.path)
-                self._listed.append(LazyPart(src, e["file"], rank, run.files, e["records"]))
+                self._listed.append(LazyPart(src, e["file"], rank, run.files, e["records"], ru))
             elif hasattr(src, "discover"):
                 try:
                     d = src.discover(e.get("key"), rank_suffix(rank, m.get("world_size")))
@@ -288,10 +292,10 @@ class Handle:
                     self._refused.append(f"handle {self.id!r}: {err}")
                     continue
                 self.gaps.extend((rank, a, b) for a, b in d.gaps)
-                self._listed.extend(LazyPart(src, f.name, rank, run.files) for f in d.cover)
-                self._broken.extend(d.broken)  # (still bytes on disk)
+                self._listed.extend(LazyPart(src, f.name, rank, run.files, run_uuid=ru) for f in d.cover)
+                self._broken.extend(d.broken + d.blocked)  # (still bytes on disk)
             elif e.get("records", 1) or e.get("file"):
-                self._listed.append(LazyPart(src, e["file"], rank, run.files))
+                self._listed.append(LazyPart(src, e["file"], rank, run.files, run_uuid=ru))
         self._lazy = list(self._listed)  # the readable ones, once loaded
 
     # --- loading -------------------------------------------------------------------------------------
@@ -318,11 +322,16 @@ class Handle:
 
     def _missing_records(self) -> str | None:
         """A closed run's manifest counting more records than its files hold: files were deleted
-        or replaced (never silent; a live run's manifest lags its files, never leads them)."""
+        or replaced (never silent; a live run's manifest lags its files, never leads them); or
+        listing fields none of its files hold."""
         claimed = sum(e.get("records") or 0 for _, e in self._entries if isinstance(e.get("records"), int))
         if claimed > self._n and all(m.get("status") == "closed" for m, _ in self._entries):
             return (f"handle {self.id!r}: the manifest lists {claimed} records, its files hold {self._n} "
                     f"(files missing or replaced; run `hookline verify`)")
+        gone = sorted({nm for m, e in self._entries for nm in missing_fields(m, e, self._names)})
+        if gone:
+            return (f"handle {self.id!r}: the manifest lists fields {gone} that none of its files hold "
+                    f"(files damaged or replaced; run `hookline verify`)")
         return None
 
     def _report(self, errors: list[StorageError | FormatError], missing: str | None = None) -> None:
@@ -553,7 +562,13 @@ class Field:
         return order, self.steps[order]
 
     def step_indices(self, step: int) -> np.ndarray:
-        """Entry indices recorded at ``step``, in record order (O(log n) after the first call)."""
+        """Entry indices recorded at ``step``, in record order (O(log n) after the first call).
+
+        Raises:
+            InvalidArgumentError: ``step`` is not an int.
+        """
+        if isinstance(step, (bool, np.bool_)) or not isinstance(step, (int, np.integer)):
+            raise InvalidArgumentError(f"step must be an int, got {type(step).__name__} {step!r:.60}")
         order, sorted_steps = self._step_order
         lo, hi = np.searchsorted(sorted_steps, step, "left"), np.searchsorted(sorted_steps, step, "right")
         return np.sort(order[lo:hi])
@@ -740,7 +755,8 @@ def _kind(path: str | Path) -> str | None:
 
 
 def open_run(path_or_uri: str | os.PathLike[str], *, tracking_uri: str | None = None,
-             cache_dir: str | os.PathLike[str] | None = None, max_open_files: int | None = None) -> Run:
+             cache_dir: str | os.PathLike[str] | None = None, max_open_files: int | None = None,
+             verify_checksums: bool = False) -> Run:
     """Open a recorded run for reading.
 
     Args:
@@ -752,6 +768,10 @@ def open_run(path_or_uri: str | os.PathLike[str], *, tracking_uri: str | None = 
         max_open_files: most files kept open at once; reading one more closes the least recently
             read (it reopens when read again: ~0.3 ms, measured). None: a quarter of the open-file
             limit (``ulimit -n``) minus 64, between 8 and 256.
+        verify_checksums: every read checks the chunk hashes of the blocks it reads (once per
+            block; a block is read whole: about a chunk, ~1 MiB). Damage raises
+            :class:`FormatError` naming the file, field and entries. Files without hashes read
+            unchecked.
 
     Returns:
         The :class:`Run` (lazy: files open on first access).
@@ -773,7 +793,7 @@ def open_run(path_or_uri: str | os.PathLike[str], *, tracking_uri: str | None = 
         s = s.decode()
     remote = find_source(s, tracking_uri)  # runs:/... (registered by hookline.storage)
     if remote is not None:
-        return Run(remote(s, tracking_uri=tracking_uri, cache_dir=cache_dir), s, max_open_files)
+        return Run(remote(s, tracking_uri=tracking_uri, cache_dir=cache_dir), s, max_open_files, verify_checksums)
     p = Path(s)
     kind = _kind(s)
     if kind == "file" and MANIFEST_RE.fullmatch(p.name):
@@ -782,4 +802,4 @@ def open_run(path_or_uri: str | os.PathLike[str], *, tracking_uri: str | None = 
     if kind != "dir":
         raise StorageError(f"no run directory {s!r}: give the directory a RunWriter/Recorder wrote "
                            f"(or runs:/<mlflow run id>)")
-    return Run(LocalSource(p), s, max_open_files)  # (no manifest and no hookline file: FormatError)
+    return Run(LocalSource(p), s, max_open_files, verify_checksums)  # (no manifest and no hookline file: FormatError)

@@ -19,6 +19,7 @@ import numpy as np
 from .confine import RunRoot
 from .errors import FormatError
 from ._h5check import root_attrs
+from .identity import is_utf8
 from .format import FILE_FORMAT, FORMAT_VERSION, RUN_FORMAT, rank_suffix
 
 __all__ = ["synthesise_manifests"]
@@ -47,7 +48,8 @@ def synthesise_manifests(root: Path) -> list[dict[str, Any]]:
         except Exception:  # (not HDF5, or damaged: verify reports the files of a handle it knows)
             continue
         hid, key = a.get("handle_id"), a.get("key")
-        if a.get("hookline_format") != FILE_FORMAT or not isinstance(hid, str) or not isinstance(key, str):
+        if (a.get("hookline_format") != FILE_FORMAT or not isinstance(hid, str) or not isinstance(key, str)
+                or not is_utf8(hid)):  # (a name that does not decode is damage, never a handle: verify says so)
             continue
         if not p.relative_to(root).as_posix().startswith(f"{key}."):
             continue  # not where its key puts it: a file of another run (copied or nested)

@@ -18,7 +18,6 @@ open-file limit; running out of file handles raises instead of quarantining good
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import stat
@@ -30,8 +29,8 @@ import numpy as np
 
 from ._filters import spec_of_dataset
 from ._fs import atomic_write_json, fsync_dir, fsync_file
-from ._h5read import Part, PartField, open_part
-from ._merge import COPY_BLOCK_BYTES, merge_files
+from ._h5read import open_part
+from ._merge import merge_files
 from ._parts import Discovery, discover_files
 from .confine import RunRoot
 from .errors import FormatError, StorageError
@@ -43,93 +42,15 @@ from .format import (
     now_iso,
     rank_suffix,
 )
+from .identity import ACCESS_HINT, access_problem, foreign, missing_fields
 from .keys import handle_key
+from .partcheck import check_part, raise_if_environment, unreadable_data
 from .reader import LocalSource
 from .synthesise import synthesise_manifests
 from .verify_report import QUARANTINE_DIR, HandleReport, VerifyReport
 from .words import plural
 
 __all__ = ["verify", "VerifyReport", "HandleReport", "QUARANTINE_DIR"]
-
-def _check_part(p: Part) -> dict[str, int]:
-    """Consistency checks of one complete file; returns field -> entries. Raises on problems.
-
-    Every index entry is checked (:mod:`._h5read` checks an index when it loads it): the record
-    numbers of every field, its norms, and the offset and shape of every ragged entry; the first
-    and last entry of every field are read.
-    """
-    if len(p.steps) != p.n or len(p.calls) != p.n:
-        raise FormatError(f"index length mismatch (records={p.n})")
-    counts = {}
-    bad = [msg for nm in p.field_names if (msg := _checksum_failures(p.field(nm), p.handle_id))]
-    if bad:
-        raise FormatError("; ".join(bad))
-    for nm in p.field_names:
-        pf = p.field(nm)
-        if len(pf.records) != pf.count:
-            raise FormatError(f"field {nm!r}: {plural(len(pf.records), 'record number')} for {plural(pf.count, 'entry')}")
-        if pf.count:
-            if pf.info.has_norm and pf.stored_norms is None:
-                raise FormatError(f"field {nm!r}: norm index missing")
-            if pf.shape is None:
-                pf.offsets  # noqa: B018 (loads and checks every entry's offset and shape)
-            pf.read_stored(0)  # the data is readable
-            pf.read_stored(pf.count - 1)
-        counts[nm] = pf.count
-    return counts
-
-
-def _checksum_failures(pf: PartField, hid: str) -> str | None:
-    """Read every chunk of a checksummed field (HDF5 checks each chunk's fletcher32 on read);
-    the records whose chunks fail, as ranges of global record numbers, or None."""
-    ds = pf.ds
-    if not ds.fletcher32 or not pf.count:
-        return None
-    extent = int(ds.shape[0])
-    c0 = int(ds.chunks[0])
-    row = max(1, ds.dtype.itemsize * int(np.prod(ds.shape[1:])))
-    step = max(c0, COPY_BLOCK_BYTES // row // c0 * c0)
-    bad: list[tuple[int, int]] = []  # failing item ranges along axis 0
-    for a in range(0, extent, step):
-        b = min(extent, a + step)
-        if _reads(ds, a, b):
-            continue
-        bad.extend((x, min(b, x + c0)) for x in range(a, b, c0) if not _reads(ds, x, min(b, x + c0)))
-    if not bad:
-        return None
-    if pf.shape is not None:
-        entries = [j for x, y in bad for j in range(x, min(y, pf.count))]
-    else:  # (ragged: the entries whose elements overlap a failing chunk)
-        offs, sizes = pf.offsets, np.prod(pf.shapes, axis=1) if pf.ndim else np.ones(pf.count, np.int64)
-        entries = [j for x, y in bad for j in np.nonzero((offs < y) & (offs + sizes > x))[0].tolist()]
-    recs = sorted({int(r) for r in pf.records[sorted(set(entries))]}) if entries else []
-    where = _ranges(recs) or f"items {bad[0][0]}-{bad[-1][1] - 1} past the last record"
-    return (f"handle {hid!r}: field {pf.name!r}: {where} fail their checksum (data damaged on disk; "
-            f"the other records read)")
-
-
-def _reads(ds: Any, a: int, b: int) -> bool:
-    """Whether items ``[a, b)`` of a dataset read (HDF5's own read errors are damage; the
-    machine's, with an errno, are raised)."""
-    try:
-        ds[a:b]
-        return True
-    except OSError as e:
-        if e.errno is not None:
-            raise
-        return False
-
-
-def _ranges(recs: list[int]) -> str:
-    """``"records 4-7, 12-15"`` for sorted record numbers."""
-    out: list[list[int]] = []
-    for r in recs:
-        if out and out[-1][1] == r - 1:
-            out[-1][1] = r
-        else:
-            out.append([r, r])
-    return ", ".join(f"records {a}-{b}" for a, b in out)
-
 
 def _check_locks(run_dir: Path, repair: bool, report: VerifyReport) -> list[str]:
     """Writers hold ``.writer*.lock`` with flock. Returns the held ones; removes stale ones on repair."""
@@ -147,8 +68,8 @@ def _check_locks(run_dir: Path, repair: bool, report: VerifyReport) -> list[str]
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
-            held.append(lock.name)
-            report.problems.append(f"a writer is active ({lock.name} is locked): this is a live run")
+            held.append(lock.name)  # (a live run: a state, not a problem; its unmerged files are normal)
+            report.writing = True
             os.close(fd)
             continue
         try:
@@ -274,8 +195,12 @@ def _verify_rank(run_dir: Path, m: dict[str, Any], repair: bool, report: VerifyR
         try:
             hr = _verify_handle(run_dir, m, hid, entry, suffix, repair, report)
         except Exception as e:  # noqa: BLE001 - one handle's damage must not stop the others
-            _raise_if_environment(e, hid)
-            hr = HandleReport(hid, rank, problems=[f"verify of this handle stopped: {type(e).__name__}: {e}"])
+            raise_if_environment(e, hid)
+            if (why := access_problem(e)) is None:
+                hr = HandleReport(hid, rank, problems=[f"verify of this handle stopped: {type(e).__name__}: {e}"])
+            else:
+                hr = HandleReport(hid, rank, problems=[f"cannot read its files: {why} ({ACCESS_HINT})"])
+                hr.blocked = True
         report.handles.append(hr)
     if repair:
         m["status"] = "closed" if all(h.ok for h in report.handles if h.rank == rank) else m.get("status", "open")
@@ -294,8 +219,11 @@ def _verify_handle(run_dir: Path, m: dict, hid: str, entry: dict, suffix: str, r
     if key is None:
         return hr
     _check_file_entry(run_dir, hid, entry, repair, hr)
-    d, good = _check_parts(run_dir, key, suffix, hid, repair, hr, report)
-    _report_leftovers(run_dir, d, repair, hr, report)
+    d, good = _check_parts(run_dir, key, suffix, hid, m.get("run_uuid"), repair, hr, report)
+    if hr.blocked:  # (files it cannot read: nothing of the handle is changed, nothing counted lost)
+        return hr
+    if not report.writing:  # (a live writer's .partial files are its work in progress)
+        _report_leftovers(run_dir, d, repair, hr, report)
     for a, b in d.gaps:
         hr.problems.append(f"records [{a}, {b}) are missing (no file holds them)")
     hr.files = [c.rel for c in good]
@@ -306,8 +234,15 @@ def _verify_handle(run_dir: Path, m: dict, hid: str, entry: dict, suffix: str, r
     claimed = entry.get("records")
     if isinstance(claimed, int) and claimed > hr.records:
         hr.problems.append(f"manifest says {plural(claimed, 'record')}, {hr.records} readable")
+    damaged = (any(p.startswith("unreadable file") for p in hr.problems)  # (its fields are missing too)
+               or any(r.startswith("moved unreadable") for r in hr.repaired))
+    for nm in [] if damaged else missing_fields(m, entry, hr.fields):
+        hr.problems.append(f"{MISSING_FIELD} {nm!r} is in none of the handle's files (removed or replaced)")
     final_rel = final_name(key, suffix)
     clean = len(good) == 1 and hr.files == [final_rel] and not d.superseded
+    if report.writing:  # (a live run's writer seals segments and merges them itself)
+        report.pending += len(d.partials)
+        return hr
     if not clean and not repair and (len(good) > 1 or d.superseded or (good and hr.files != [final_rel])):
         hr.problems.append(f"not merged: {len(good)} complete files, {len(d.superseded)} redundant "
                            f"(repair merges them into {final_rel})")
@@ -373,20 +308,35 @@ def _check_file_entry(run_dir: Path, hid: str, entry: dict, repair: bool, hr: Ha
             hr.problems.append(str(e))
 
 
-def _check_parts(run_dir: Path, key: str, suffix: str, hid: str, repair: bool, hr: HandleReport,
+def _check_parts(run_dir: Path, key: str, suffix: str, hid: str, run_uuid: Any, repair: bool, hr: HandleReport,
                  report: VerifyReport) -> tuple[Discovery, list[_Checked]]:
     """List and check a handle's complete parts, one open at a time (a handle may have thousands
-    of segments); on repair, quarantine the unreadable ones and list again."""
+    of segments); on repair, quarantine the unreadable ones and list again. A file it cannot
+    read for a reason that is not damage (:func:`.identity.access_problem`) marks the handle
+    ``blocked``: nothing of it is moved. A live run's writer renames files while they are
+    checked: a file gone since it was listed makes it list again."""
+    tries = 0
     while True:
+        tries += 1
         d = discover_files(run_dir, key, suffix)
         bad: list[tuple[str, str]] = list(d.broken)
+        blocked: list[tuple[str, str]] = list(d.blocked)
         good: list[_Checked] = []
         for fe in d.cover:
-            checked = _check_file(run_dir, fe.name, hid)
-            if isinstance(checked, str):
-                bad.append((fe.name, checked))
-            else:
+            checked = _check_file(run_dir, fe.name, hid, run_uuid)
+            if isinstance(checked, _Checked):
                 good.append(checked)
+            elif checked.startswith(_BLOCKED):
+                blocked.append((fe.name, checked[len(_BLOCKED):]))
+            else:
+                bad.append((fe.name, checked))
+        gone = report.writing and any(not (run_dir / rel).exists() for rel, _ in bad)
+        if gone and tries < 5:
+            continue
+        if blocked:
+            hr.blocked = True
+            hr.problems += [f"cannot read {rel}: {why} ({ACCESS_HINT})" for rel, why in blocked]
+            break
         if not bad or not repair:
             break
         for rel, why in bad:
@@ -423,11 +373,13 @@ def _update_entry(run_dir: Path, entry: dict[str, Any], final_rel: str, hr: Hand
             pf = fp.field(nm)
             fields[nm] = {"dtype": pf.dtype_name, "shape": list(pf.shape) if pf.shape is not None else None,
                           "ndim": pf.ndim}  # as the writer's manifest: a continued run checks it
+        for nm in set(fields) - set(fp.field_names):  # (listed, never sealed, or lost: reported)
+            del fields[nm]
         fp.close()
     entry["segments"] = 0
     entry["file"] = final_rel
-    lost = [p for p in hr.problems if p.startswith("manifest says")]
-    hr.problems = [p for p in hr.problems if not p.startswith("manifest says")]
+    lost = [p for p in hr.problems if p.startswith(("manifest says", MISSING_FIELD))]
+    hr.problems = [p for p in hr.problems if not p.startswith(("manifest says", MISSING_FIELD))]
     if lost or hr.lost:
         entry["lost"] = hr.lost = hr.lost + lost
         hr.repaired.append("manifest updated to the readable records")
@@ -444,12 +396,17 @@ class _Checked:
     compression: dict[str, str | None]
 
 
-#: errnos that say something about the machine, not the file: never a reason to quarantine.
-_ENVIRONMENT_ERRNOS = {errno.EMFILE, errno.ENFILE, errno.ENOMEM}
+#: The start of the problem of a field the manifest lists and no file holds (repair: a loss).
+MISSING_FIELD = "manifest field"
+#: The start of what :func:`_check_file` returns for a file it may not read (not damage).
+_BLOCKED = "\x00blocked:"
 
 
-def _check_file(run_dir: Path, rel: str, hid: str) -> _Checked | str:
-    """Open, check and close one complete file: its summary, or why it is unreadable.
+def _check_file(run_dir: Path, rel: str, hid: str, run_uuid: Any) -> _Checked | str:
+    """Open, check and close one complete file: its summary, or why it is unreadable (starting
+    with ``_BLOCKED`` when the cause is not damage: permission denied, a read-only file system).
+    A file of another handle or another run (:func:`.identity.foreign`) is unreadable as this
+    handle's.
 
     Raises:
         StorageError: the machine, not the file, failed (out of file handles or memory).
@@ -457,27 +414,20 @@ def _check_file(run_dir: Path, rel: str, hid: str) -> _Checked | str:
     try:
         p = open_part(run_dir / rel)
     except Exception as e:
-        _raise_if_environment(e, rel)
-        return f"{type(e).__name__}: {e}"
+        raise_if_environment(e, rel)
+        why = access_problem(e)
+        return f"{type(e).__name__}: {e}" if why is None else _BLOCKED + why
     try:
-        if p.handle_id != hid:
-            raise FormatError(f"belongs to handle {p.handle_id!r}")
-        counts = _check_part(p)
+        if (why := foreign(p.attrs, hid, run_uuid)) is not None:
+            raise FormatError(why)
+        counts = check_part(p)
         compression = {nm: spec_of_dataset(p.field(nm).ds) for nm in p.field_names}
         return _Checked(rel, p.n, counts, dict(p.attrs), compression)
     except Exception as e:
-        _raise_if_environment(e, rel)
+        raise_if_environment(e, rel)
         return f"{type(e).__name__}: {e}"
     finally:
         p.close()
-
-
-def _raise_if_environment(e: BaseException, rel: str) -> None:
-    code = getattr(e, "errno", None)
-    if code in _ENVIRONMENT_ERRNOS or any(f"errno = {c}," in str(e) for c in _ENVIRONMENT_ERRNOS):
-        raise StorageError(
-            f"cannot check {rel!r}: {e} (the machine ran out of resources, the file may be fine; "
-            f"raise ulimit -n or free memory and run verify again; nothing was moved)") from e
 
 
 def _merge_or_drop(run_dir: Path, good: list[_Checked], final_rel: str, hid: str, entry: dict, m: dict,
@@ -490,10 +440,10 @@ def _merge_or_drop(run_dir: Path, good: list[_Checked], final_rel: str, hid: str
             _merge_handle(run_dir, good, final_rel, hid, entry, m, hr, suffix)
             return
         except Exception as e:  # noqa: BLE001 - reported; the inputs are untouched until a merge succeeds
-            _raise_if_environment(e, final_rel)
+            raise_if_environment(e, final_rel)
             (run_dir / (final_rel + ".partial")).unlink(missing_ok=True)
             failed = f"merge into {final_rel} failed: {type(e).__name__}: {e}"
-        bad = {c.rel: why for c in good if (why := _unreadable_data(run_dir / c.rel)) is not None}
+        bad = {c.rel: why for c in good if (why := unreadable_data(run_dir / c.rel)) is not None}
         if attempt == 2 or not bad:
             hr.problems.append(f"{failed}; the files are unchanged")
             return
@@ -506,27 +456,6 @@ def _merge_or_drop(run_dir: Path, good: list[_Checked], final_rel: str, hid: str
         for c in good:
             for nm, count in c.counts.items():
                 hr.fields[nm] = hr.fields.get(nm, 0) + count
-
-
-def _unreadable_data(path: Path) -> str | None:
-    """Why the data of a complete file does not read (every chunk of every field is read, a
-    block at a time), or None when it all reads."""
-    try:
-        p = open_part(path)
-    except Exception as e:  # noqa: BLE001
-        return f"{type(e).__name__}: {e}"
-    try:
-        for nm in p.field_names:
-            ds = p.field(nm).ds
-            step = max(1, COPY_BLOCK_BYTES // max(1, ds.dtype.itemsize * int(np.prod(ds.shape[1:]))))
-            for a in range(0, ds.shape[0], step):
-                ds[a : a + step]
-        return None
-    except Exception as e:  # noqa: BLE001
-        _raise_if_environment(e, str(path))
-        return f"{type(e).__name__}: {e}"
-    finally:
-        p.close()
 
 
 def _merge_handle(run_dir: Path, good: list[_Checked], final_rel: str, hid: str, entry: dict, m: dict,
@@ -542,7 +471,8 @@ def _merge_handle(run_dir: Path, good: list[_Checked], final_rel: str, hid: str,
                  "module_type": entry.get("module_type", ""), "category": entry.get("category", ""),
                  "hook_fn_name": entry.get("hook_fn_name", ""), "meta": json.dumps(entry.get("meta", {})),
                  "rank": np.int64(-1 if m.get("rank") is None else m["rank"]),
-                 "world_size": np.int64(-1 if m.get("world_size") is None else m["world_size"])}
+                 "world_size": np.int64(-1 if m.get("world_size") is None else m["world_size"]),
+                 **({"run_uuid": m["run_uuid"]} if m.get("run_uuid") else {})}
     comp: dict[str, str | None] = {}
     for c in good:
         for nm, method in c.compression.items():
@@ -556,7 +486,7 @@ def _merge_handle(run_dir: Path, good: list[_Checked], final_rel: str, hid: str,
     try:
         if check.n != n or n != hr.records:
             raise StorageError(f"merged file {str(tmp)!r} has {plural(check.n, 'record')}, expected {hr.records}; nothing removed")
-        _check_part(check)
+        check_part(check)
     finally:
         check.close()
     os.replace(tmp, final)

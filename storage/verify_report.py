@@ -28,6 +28,8 @@ class HandleReport:
         lost: what repair could not recover (also the manifest entry's ``lost``).
         damage: damage repair fixed without moving files (manifest entries that led outside the
             run, reset); a run with any is not :attr:`VerifyReport.clean`.
+        blocked: some of its files could not be read for a reason that is not damage
+            (permission denied, a read-only file system): repair leaves the handle as it is.
     """
 
     handle_id: str
@@ -39,6 +41,7 @@ class HandleReport:
     repaired: list[str] = field(default_factory=list)
     lost: list[str] = field(default_factory=list)
     damage: list[str] = field(default_factory=list)
+    blocked: bool = False
 
     @property
     def ok(self) -> bool:
@@ -55,6 +58,10 @@ class VerifyReport:
         problems: run-level problems (manifest).
         repaired: run-level repairs.
         moved: files moved to the quarantine directory.
+        writing: a RunWriter holds the run's lock: the run is open (a state, not a problem: its
+            segments are not merged yet, and files being written are not checked).
+        pending: files the writer is still writing (``.partial`` segments: their records are
+            sealed, and then read and verified, at the writer's next flush).
     """
 
     path: str
@@ -62,6 +69,8 @@ class VerifyReport:
     problems: list[str] = field(default_factory=list)
     repaired: list[str] = field(default_factory=list)
     moved: list[str] = field(default_factory=list)
+    writing: bool = False
+    pending: int = 0
 
     @property
     def ok(self) -> bool:
@@ -99,12 +108,16 @@ class VerifyReport:
         if not self.ok:
             return "PROBLEMS"
         if self.clean:
-            return "OK"
+            return "OK, OPEN" if self.writing else "OK"
         return f"REPAIRED, DAMAGE FOUND ({self.damage_found()})"
 
     def __str__(self) -> str:
         lines = [f"{self.path}: {self._verdict()} ({plural(len(self.handles), 'handle')}, "
-                 f"{plural(self.records, 'record')})"]
+                 f"{plural(self.records, 'record')}" + (" sealed" if self.writing else "") + ")"]
+        if self.writing:
+            lines.append(f"  run: open, a RunWriter is writing it: {plural(self.records, 'record')} sealed in "
+                         f"complete files (checked), {plural(self.pending, 'segment')} still being written "
+                         f"(pending: sealed at its next flush, e.g. rec.flush() or autoflush_s)")
         lines += [f"  run: {p}" for p in self.problems]
         lines += [f"  run repaired: {p}" for p in self.repaired]
         for h in self.handles:

@@ -31,7 +31,10 @@ def _as_list(x: str | Iterable[str] | None) -> list[str] | None:
     if isinstance(x, str):
         return [x]
     out = list(x)
-    return out or None
+    if not out or not all(isinstance(p, str) for p in out):  # ([] would select nothing, silently)
+        raise InvalidArgumentError(f"a handle/field selection must be None (all) or glob patterns, got {x!r:.80}; "
+                                   "e.g. fields='grad_out.*' or fields=None")
+    return out
 
 
 def glob_to_regex(pattern: str) -> re.Pattern[str]:

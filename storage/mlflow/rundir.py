@@ -15,6 +15,7 @@ from .._h5read import open_part
 from ..confine import RunRoot
 from ..errors import DuplicateNameError, FormatError, UnknownNameError
 from ..format import MANIFEST_RE, run_identity
+from ..identity import foreign, missing_fields
 from .keys import origin_tag
 from .client import short_error
 
@@ -73,13 +74,15 @@ def created_ms(man: dict) -> int:
 
 
 def file_damage(path: Path, handle_id: str, entry: dict, exact: bool,
-                norms: tuple[list[tuple[str, str, bool]], int, dict] | None = None) -> str | None:
+                norms: tuple[list[tuple[str, str, bool]], int, dict] | None = None,
+                manifest: dict | None = None) -> str | None:
     """Why a handle file must not be uploaded, or None when it is sound.
 
     A file is damaged when it does not open as a hookline handle file (truncated, not HDF5),
-    belongs to another handle, its index does not hold its records, a field's index or last entry
-    does not read, it has a field the manifest entry does not list, or (``exact``: the final pass
-    of a closed run) its record count is not the manifest's.
+    belongs to another handle or another run (:func:`~hookline.storage.identity.foreign`), its
+    index does not hold its records, a field's index or last entry does not read, it has a field
+    the manifest entry does not list, or (``exact``: the final pass of a closed run) its record
+    count is not the manifest's or it lacks a field the manifest lists.
 
     Args:
         path: the handle file (already confined to the run directory).
@@ -89,14 +92,16 @@ def file_damage(path: Path, handle_id: str, entry: dict, exact: bool,
         norms: ``(fields, start, out)``: for a sound file that holds all of the handle's records
             (``exact``), also put its :func:`part_series` of ``fields`` from record ``start`` on
             into ``out["series"]`` (the file is opened once for both).
+        manifest: the manifest the entry is of (its ``run_uuid`` and ``status``).
     """
     try:
         part = open_part(path)
     except Exception as e:  # noqa: BLE001 - whatever keeps it from opening is damage
         return f"it does not open as a hookline file: {short_error(e)}"
     try:
-        if part.handle_id != handle_id:
-            return f"it holds handle {part.handle_id!r}"
+        why = foreign(part.attrs, handle_id, (manifest or {}).get("run_uuid"))
+        if why is not None:
+            return why
         claimed = entry.get("records")
         if exact and isinstance(claimed, int) and (part.n != claimed or part.record_start != 0):
             return f"it holds records [{part.record_start}, {part.record_start + part.n}), the manifest says {claimed}"
@@ -104,6 +109,9 @@ def file_damage(path: Path, handle_id: str, entry: dict, exact: bool,
         unknown = sorted(set(part.field_names) - set(listed))
         if unknown:
             return f"its fields {unknown} are not in the manifest"
+        gone = missing_fields(manifest or {}, entry, part.field_names) if exact else []
+        if gone:
+            return f"it lacks the fields {gone} the manifest lists"
         if len(part.steps) != part.n or len(part.calls) != part.n:
             return "its step/call index does not hold its records"
         for name in part.field_names:

@@ -433,7 +433,8 @@ class _Pass:
         n_total = int(plan.entry.get("records", 0) or 0)
         fields = norm_fields(plan.entry.get("fields", {}) or {})
         want = (fields, start, got) if fields and n_total > start and self.readable else None
-        lf.damage = file_damage(lf.local, plan.handle_id, plan.entry, exact=self.mode == PassMode.FINAL, norms=want)
+        lf.damage = file_damage(lf.local, plan.handle_id, plan.entry, exact=self.mode == PassMode.FINAL, norms=want,
+                                manifest=plan.manifest)
         lf.checked, lf.series = start, got.get("series")
 
     def _decide(self, plan: _HandlePlan, lf: _LocalFile, running: ParallelUploads, uploads: list[FileUpload]) -> None:

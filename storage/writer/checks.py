@@ -40,6 +40,10 @@ def check_seconds(value: Any, name: str, fix: str) -> float | None:
     return float(value)
 
 
+#: A handle's ``category`` (docs/format.md section 2); ``""``: data not recorded by a hook.
+HANDLE_CATEGORIES = ("forward_hook", "forward_pre_hook", "backward_hook", "")
+
+
 def check_handle_names(handle_id: str, info: Mapping[str, str]) -> None:
     """A handle's id and names (``module_name``, ``module_type``, ``category``, ``hook_fn_name``
     in ``info``) follow :func:`~hookline.storage.keys.check_name`: checked before the handle is
@@ -52,6 +56,10 @@ def check_handle_names(handle_id: str, info: Mapping[str, str]) -> None:
                "function under other names)")
     for what, value in info.items():
         check_name(value, f"{what} of handle {handle_id!r}")
+    if info.get("category", "") not in HANDLE_CATEGORIES:
+        raise InvalidArgumentError(
+            f"category of handle {handle_id!r} is {info['category']!r:.80}; use one of "
+            f"{', '.join(map(repr, HANDLE_CATEGORIES))} ('' for data not recorded by a hook)")
 
 
 def check_steps(handle_id: str, steps: list[int], calls: list[int]) -> None:

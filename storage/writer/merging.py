@@ -13,7 +13,7 @@ import threading
 from pathlib import Path
 from typing import Callable
 
-from .._fs import fsync_dir, publish
+from .._fs import fsync_dir, make_folder, publish
 from .._h5write import HandleFileWriter
 from .._merge import merge_files
 from .._parts import PartEntry
@@ -158,7 +158,7 @@ def finalize(ctx: WriterContext, h: WriterHandle, dirs: set[Path] | None = None)
     else:
         tmp = final.with_name(final.name + ".partial")
         if not h.base and not segs:
-            final.parent.mkdir(parents=True, exist_ok=True)
+            make_folder(ctx.run_dir, final.parent)
             HandleFileWriter(tmp, ctx.identity.file_attrs(h), 0).finish()
         else:
             _merge(ctx, h, [*h.base, *(ctx.run_dir / s.name for s in segs)], tmp)

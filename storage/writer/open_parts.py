@@ -53,7 +53,8 @@ class OpenParts:
         path = ctx.run_dir / partial_segment_name(h.key, h.suffix, h.next_record)
         attrs = ctx.identity.file_attrs(h)
         start = h.next_record
-        h.part = OpenPart(start, path, lambda: HandleFileWriter(path, attrs, start, ctx.writeback), ctx.tools)
+        h.part = OpenPart(start, path, lambda: HandleFileWriter(path, attrs, start, ctx.writeback, ctx.tools.hashes),
+                          ctx.tools)
         self.active[h.id] = h
         if len(ctx.tools.files) < ctx.tools.files.limit:
             h.part.file()
@@ -94,7 +95,7 @@ class OpenParts:
         handles = list(handles)
         ahead = None
         if len(self.active) >= CREATE_AHEAD_MIN:
-            ahead = CreateAhead(h.part.partial for h in handles if h.part is not None)
+            ahead = CreateAhead((h.part.partial for h in handles if h.part is not None), self.ctx.run_dir)
         done: list[tuple[WriterHandle, OpenPart]] = []
         try:
             for h in handles:

@@ -81,6 +81,10 @@ class RunWriter:
             flush whatever the number of handles). Each open file costs HDF5 ~0.55 MB, counted
             against ``max_buffer_mb``. None (default): as many as an eighth of the budget pays
             for (at least 4), at most half the open-file limit (``ulimit -n``) minus 64.
+        checksums: store an xxh3-64 hash of every chunk of every field beside its index,
+            computed on the writer thread from the memory handed to HDF5 (docs/format.md, "Chunk
+            hashes"; ``verify`` checks them). False: live segments carry none (a merged file,
+            at close or by compaction, always does).
 
     Example:
         >>> w = RunWriter("runs/a", max_buffer_mb=256)
@@ -106,9 +110,11 @@ class RunWriter:
         fsync: bool = True,
         writeback_mb: float | None = 32,
         max_open_files: int | None = None,
+        checksums: bool = True,
     ) -> None:
-        if policy not in _POLICIES:
-            raise InvalidArgumentError(f"policy must be 'block' or 'drop', got {policy!r}")
+        if policy not in _POLICIES or not isinstance(checksums, bool):
+            raise InvalidArgumentError(f"policy must be 'block' or 'drop' and checksums a bool, got policy={policy!r}, "
+                                       f"checksums={checksums!r:.40}")
         self.budget = Budget(max_buffer_mb)
         _check_ranks(rank, world_size)
         if writeback_mb is not None and (
@@ -152,7 +158,8 @@ class RunWriter:
         writeback_bytes = int((writeback_mb or 0) * (1 << 20))
         ctx = WriterContext(self.run_dir, fsync, compression_rules, writeback_bytes,
                             Writeback(writeback_bytes), self._identity,
-                            PartTools(self._queue.release, FileSlots(self.max_open_files, self._stats)))
+                            PartTools(self._queue.release, FileSlots(self.max_open_files, self._stats),
+                                      root=self.run_dir, hashes=checksums))
         manifest = ManifestWriter(manifest_path, self._identity, fsync)
         self._thread = WriterThread(ctx, self._queue, self._handles, self._stats, self.budget, manifest,
                                     autoflush_s=autoflush_s, merge_on_close=merge_on_close)
@@ -178,14 +185,15 @@ class RunWriter:
             handle_id: the hook handle id, e.g. ``"outputs[blocks.0]"``.
             module_name: qualified module name.
             module_type: module class, e.g. ``"torch.nn.modules.linear.Linear"``.
-            category: ``"forward_hook"``, ``"forward_pre_hook"`` or ``"backward_hook"``.
+            category: ``"forward_hook"``, ``"forward_pre_hook"``, ``"backward_hook"``, or ``""``
+                (not a hook: data written by other means).
             hook_fn_name: the hook function's name.
             meta: JSON-serialisable per-handle metadata.
 
         Raises:
             InvalidArgumentError: the id or a name contains a control character or is too long
-                (:func:`~hookline.storage.keys.check_name`), or ``meta`` differs from the
-                handle's earlier metadata.
+                (:func:`~hookline.storage.keys.check_name`), ``category`` is not one of the
+                above, or ``meta`` differs from the handle's earlier metadata.
             HookTypeError: the id is not a str, or ``meta`` cannot be stored as JSON.
         """
         self._check_open()

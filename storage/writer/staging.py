@@ -17,6 +17,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from .._fs import make_folder
 from .._h5write import FieldOut, FieldSpec, HandleFileWriter
 from .norms import l2, row_norms
 from .stats import WriterStats
@@ -106,6 +107,8 @@ class PartTools:
         index: bytes of the index entries the open parts hold (steps, calls, each field's record
             numbers, norms, ragged offsets and shapes), written when a part is finished: the
             writer seals every part when they reach :attr:`Budget.index_bytes`.
+        root: the run directory (parts make their folders inside it, never it).
+        hashes: parts store chunk hashes (:mod:`..hashes`).
     """
 
     release: Callable[[int], None]
@@ -116,6 +119,8 @@ class PartTools:
     lent: int = 0
     lent_staged: int = 0
     index: int = 0
+    root: Path | None = None
+    hashes: bool = True
 
     def lend(self, copy: np.ndarray) -> None:
         """``copy`` (a shared block's rows, copied once) is held by the views staged from it: its
@@ -205,7 +210,10 @@ class OpenPart:
         f = self._file
         if f is None:
             def create() -> None:
-                self.partial.parent.mkdir(parents=True, exist_ok=True)
+                if self.tools.root is None:
+                    self.partial.parent.mkdir(parents=True, exist_ok=True)
+                else:
+                    make_folder(self.tools.root, self.partial.parent)
                 self._file = self._make_file()
             self.tools.current = self.partial
             self.tools.files.open(self, create)

@@ -110,6 +110,10 @@ CHILD = textwrap.dedent("""
 """)
 
 
+def _size(nbytes: int) -> str:
+    return f"{nbytes // 1024} KiB" if nbytes >= 1024 else f"{nbytes} B"
+
+
 def run_one(n: int, d: int, rounds: int) -> dict:
     with tempfile.TemporaryDirectory(dir=os.environ.get("HOOKLINE_BENCH_DIR")) as tmp:
         out = subprocess.run([sys.executable, "-c", CHILD, str(n), str(d), str(rounds), tmp],
@@ -125,12 +129,16 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=12, help="timed rounds per configuration (default 12)")
     ap.add_argument("--handles", type=int, nargs="+", metavar="N",
                     help="only these handle counts of 4 KiB records (8 is always run: the reference)")
+    ap.add_argument("--tiny", action="store_true",
+                    help="only 64-byte records: 8 and 2,000 handles (issue 34, case 9: use --rounds 100)")
     args = ap.parse_args()
     configs = [(8, 64), (100, 64), (128, 64), (1000, 64), (5000, 64), (8, 1024), (128, 1024)]
     if args.quick:
         configs = [c for c in configs if c[0] < 5000 and c[1] == 64]
     if args.handles:
         configs = [(n, 64) for n in sorted({8, *args.handles})]
+    if args.tiny:
+        configs = [(8, 1), (2000, 1)]  # (Linear(1, 1) on a (16, 1) input: 64-byte records)
     load = os.getloadavg()[0]
     print(f"hookline scale benchmark: {os.cpu_count()} cores, load average {load:.1f} at start\n")
     res = []
@@ -149,7 +157,7 @@ def main() -> None:
         u = r["us"]
         over = [u["recorder"][j] - u["none"][j] for j in range(3)]
         base = ref.setdefault(r["record"], over)
-        print(f"   {r['n']:>7} {r['record'] // 1024:>5} KiB {u['none'][0]:>8.1f} | {over[0]:>14.1f} "
+        print(f"   {r['n']:>7} {_size(r['record']):>9} {u['none'][0]:>8.1f} | {over[0]:>14.1f} "
               f"{over[0] / base[0]:>5.2f}x {over[1]:>7.1f} {over[1] / base[1]:>5.2f}x {over[2]:>8.1f} "
               f"{over[2] / base[2]:>5.2f}x | {u['clone'][0] - u['none'][0]:>15.1f}")
 
@@ -157,7 +165,7 @@ def main() -> None:
     print(f"   {'handles':>7} {'record':>7} {'recorded':>9} {'close s':>8} {'tofile+fsync s':>15} "
           f"{'close/tofile':>13} {'disk/recorded':>14} {'.h5 files':>10}")
     for r in res:
-        print(f"   {r['n']:>7} {r['record'] // 1024:>5} KiB {r['payload'] / 2**20:>7.1f}MB {r['close_s']:>8.2f} "
+        print(f"   {r['n']:>7} {_size(r['record']):>9} {r['payload'] / 2**20:>7.1f}MB {r['close_s']:>8.2f} "
               f"{r['raw_s']:>15.2f} {r['close_s'] / max(r['raw_s'], 1e-3):>12.1f}x "
               f"{r['disk'] / r['payload']:>13.2f}x {r['files']:>10}")
 
@@ -165,7 +173,7 @@ def main() -> None:
     print(f"   {'handles':>7} {'record':>7} {'peak over':>10} {'/ (budget+64)':>14} {'/ recorded':>11}")
     for r in res:
         over = (r["peak"] - r["base"]) / 2**20
-        print(f"   {r['n']:>7} {r['record'] // 1024:>5} KiB {over:>8.0f}MB {over / (r['budget_mb'] + 64):>13.2f}x "
+        print(f"   {r['n']:>7} {_size(r['record']):>9} {over:>8.0f}MB {over / (r['budget_mb'] + 64):>13.2f}x "
               f"{over * 2**20 / r['payload']:>10.2f}x")
     print(f"\nload average {os.getloadavg()[0]:.1f} at the end")
 

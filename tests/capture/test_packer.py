@@ -107,6 +107,30 @@ def test_stale_blocks_are_handed_over_at_the_next_step_boundary():
     assert len(got.calls) == 1  # not old enough
 
 
+def test_thin_hand_overs_by_age_back_off():
+    """Steps slower than the age limit (thousands of handles): without the backoff every block
+    went to the writer at every step with one record (issue 34, case 9: ~1 ms a record)."""
+    import time
+
+    got = Calls()
+    packer = BlockPacker(got, BufferPool(), max_age_s=0.05)
+    handles = [f"h{i}" for i in range(20)]
+    packer.handles = len(handles)
+    handed = []
+    for step in range(6):
+        for h in handles:
+            packer.add(h, step, 0, ["f"], [torch.ones(2)])
+        time.sleep(0.06)  # (a step slower than max_age_s)
+        before = len(got.calls)
+        packer.hand_over_stale()
+        handed.append(len(got.calls) - before)
+    assert handed[0] == len(handles)  # the first stale hand-over still happens at once
+    assert handed[1] == 0  # then the limit grew: blocks collect several records
+    packer.drain()
+    rows = sum(len(c[1]) for c in got.calls)
+    assert rows == 6 * len(handles) and len(got.calls) <= 3 * len(handles)  # (without the backoff: 6x)
+
+
 def test_open_blocks_are_bounded_by_max_open_bytes():
     got = Calls()
     rec = torch.ones(64, 256)  # a 16-record block is 1 MiB

@@ -21,8 +21,8 @@ def _record(i: int) -> np.ndarray:
     return np.full(SHAPE, i, np.float32) + np.arange(SHAPE[1], dtype=np.float32) / 64
 
 
-def _closed_run(run_dir, compression="none+checksum", n=300, ragged=False):
-    with RunWriter(run_dir, compression=compression) as w:
+def _closed_run(run_dir, compression="none+checksum", n=300, ragged=False, **kw):
+    with RunWriter(run_dir, compression=compression, **kw) as w:
         w.add_handle(HID)
         for i in range(n):
             fields = {"outputs.0": _record(i)}
@@ -103,8 +103,9 @@ def test_flipped_bit_in_a_ragged_field(run_dir):
 
 
 def test_without_checksums_the_same_flip_goes_unnoticed(run_dir):
-    """What the checksum buys: the unchecked file verifies clean with a changed value."""
-    path = _closed_run(run_dir, compression=None)
+    """What the checksums buy: a file with neither fletcher32 nor hookline's chunk hashes
+    (``checksums=False``, a single segment renamed into place) verifies clean with a changed value."""
+    path = _closed_run(run_dir, compression=None, checksums=False)
     _flip_data_bit(path, "outputs.0", chunk=0, byte=40)
     assert verify(run_dir).ok
     with open_run(run_dir) as run:

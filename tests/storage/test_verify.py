@@ -162,8 +162,8 @@ def test_repair_refuses_a_live_run(run_dir):
     from hookline.storage import StorageError
 
     w = write_std_run(run_dir, n=6, flush_every=3)
-    rep = verify(run_dir)  # reading a live run is fine
-    assert "writer is active" in str(rep)
+    rep = verify(run_dir)  # reading a live run is fine: it is open, not damaged
+    assert rep.ok and rep.writing and "a RunWriter is writing" in str(rep)
     with pytest.raises(StorageError, match="still writing"):
         verify(run_dir, repair=True)
     w.close()
@@ -230,7 +230,7 @@ def test_running_out_of_file_handles_is_an_error_not_a_damaged_file(tmp_path):
         from pathlib import Path
         from hookline.storage import StorageError
         from hookline.storage.verifier import _check_file
-        print("FINE", type(_check_file(Path({str(d)!r}), {seg!r}, "a")).__name__)
+        print("FINE", type(_check_file(Path({str(d)!r}), {seg!r}, "a", None)).__name__)
         hog = []
         try:
             while True:
@@ -238,7 +238,7 @@ def test_running_out_of_file_handles_is_an_error_not_a_damaged_file(tmp_path):
         except OSError:
             pass
         try:
-            print("RESULT", _check_file(Path({str(d)!r}), {seg!r}, "a"))
+            print("RESULT", _check_file(Path({str(d)!r}), {seg!r}, "a", None))
         except StorageError as e:
             print("ERROR", e)
     """)

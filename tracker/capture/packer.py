@@ -47,6 +47,12 @@ ROW_WINDOW = 16
 #: A partly filled block is handed to the writer at the next step boundary once its first record
 #: is this old, so a slow loop's records reach the writer (and its autoflush) within seconds.
 MAX_AGE_S = 1.0
+#: Most the age limit grows (x MAX_AGE_S) while hand-overs by age find blocks of about one record:
+#: a step of thousands of handles that takes longer than the limit would otherwise hand over every
+#: block at every step, one record each (2,000 handles of 64-byte records: ~1 ms a record; issue
+#: 34, case 9). The limit grows 4x after each such hand-over and is back to MAX_AGE_S after one
+#: that finds fuller blocks.
+MAX_AGE_BACKOFF = 32
 #: After this many shape/field changes a handle counts as ragged: its blocks hold one record
 #: (a block sized for one shape would be handed over after one record anyway).
 RAGGED_AFTER = 2
@@ -167,6 +173,7 @@ class BlockPacker:
         self._open: dict[str, _Block] = {}  # handle -> the block its next record goes to
         self._open_bytes = 0
         self._oldest: float | None = None
+        self._backoff = 1  # the age limit is max_age_s times this (see MAX_AGE_BACKOFF)
         self._changes: dict[str, int] = {}
         self._checked: dict[str, tuple] = {}  # handle -> the record layout check_fields accepted last
         # Shared blocks: each layout's lane, and the lane of each handle whose records go there.
@@ -426,9 +433,13 @@ class BlockPacker:
                 raise failure
 
     def hand_over_stale(self) -> None:
-        """Hand over the open blocks if the oldest waited :attr:`max_age_s` (call per step)."""
+        """Hand over the open blocks if the oldest waited :attr:`max_age_s` (times the backoff of
+        :data:`MAX_AGE_BACKOFF`; call per step)."""
         with self._lock:
-            if self._oldest is not None and time.monotonic() - self._oldest >= self.max_age_s:
+            if self._oldest is not None and time.monotonic() - self._oldest >= self.max_age_s * self._backoff:
+                blocks = {id(b): b.n for b in self._open.values()}
+                thin = sum(blocks.values()) < 2 * len(blocks)  # (about one record a block)
+                self._backoff = min(MAX_AGE_BACKOFF, 4 * self._backoff) if thin else 1
                 self.hand_over_all()
             if self._pending:
                 self._poll()

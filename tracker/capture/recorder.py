@@ -125,7 +125,7 @@ class Recorder:
     ) -> None:
         self.run_dir = check_run_dir(run_dir)
         self.every, self.steps = every, steps = check_sampling(every, steps)
-        check_meta(meta)
+        check_meta(meta, resume)
         update_s, autoflush_s = check_intervals(mlflow_update_s, autoflush_s)
         self.grad_scaler = check_scaler(grad_scaler)
         if grad_scaler is not None and meta and _INF_KEY in meta:

@@ -35,13 +35,15 @@ def check_run_dir(run_dir: Any) -> Path:
     return Path(run_dir)
 
 
-def check_meta(meta: Any) -> None:
-    """Validate a user's ``meta=``: a mapping that overrides none of :data:`OWN_META`.
+def check_meta(meta: Any, resume: Any = False) -> None:
+    """Validate a user's ``meta=`` (a mapping that overrides none of :data:`OWN_META`) and
+    ``resume=`` (:func:`check_resume`).
 
     Raises:
-        HookTypeError: not a mapping.
-        InvalidArgumentError: it holds a key the recorder writes itself.
+        HookTypeError: ``meta`` is not a mapping, or ``resume`` not a bool.
+        InvalidArgumentError: ``meta`` holds a key the recorder writes itself.
     """
+    check_resume(resume)
     if meta is not None and not isinstance(meta, Mapping):
         raise HookTypeError(f"meta must be a dict of run metadata, got {type(meta).__name__} {meta!r:.60}")
     if meta is not None:
@@ -50,6 +52,17 @@ def check_meta(meta: Any) -> None:
             raise InvalidArgumentError(
                 f"meta key {own[0]!r} is written by the recorder itself ({', '.join(OWN_META)}); "
                 f"rename yours (e.g. 'user_{own[0]}')")
+
+
+def check_resume(resume: Any) -> bool:
+    """``resume=`` is a bool (a string such as ``'yes'`` or ``'false'`` would read as True).
+
+    Raises:
+        HookTypeError: not a bool.
+    """
+    if not isinstance(resume, bool):
+        raise HookTypeError(f"resume must be True or False, got {type(resume).__name__} {resume!r:.60}")
+    return resume
 
 
 def run_metadata(

@@ -18,13 +18,21 @@ __all__ = ["SCALAR_STATS", "StatsSpec", "compute_stats", "split_stats"]
 SCALAR_STATS = ("norm", "mean", "std", "min", "max", "absmax")
 
 
+#: Most histogram bins (512 KiB of float64 per record and handle: more is a mistake, not a histogram).
+MAX_BINS = 65536
+
+
 class StatsSpec:
     """Fixed histogram bins for ``.hist`` fields.
 
     Args:
-        bins: number of bins.
+        bins: number of bins, 1 to :data:`MAX_BINS` (each record stores them as float64).
         range: ``(low, high)`` of the bin edges. Values outside are counted in the first/last
             bin (clamped), so every element is counted; NaNs are not counted.
+
+    Raises:
+        InvalidArgumentError: ``bins`` is not an int in ``[1, MAX_BINS]``, or the range is not two
+            finite numbers with ``low < high``.
     """
 
     def __init__(self, bins: int = 64, range: tuple[float, float] = (-8.0, 8.0)) -> None:
@@ -34,11 +42,11 @@ class StatsSpec:
             lo, hi = (float(v) for v in range)  # exactly two numbers
         except (TypeError, ValueError):
             lo = hi = math.nan
-        if (isinstance(bins, bool) or not isinstance(bins, int) or bins < 1 or not lo < hi
+        if (isinstance(bins, bool) or not isinstance(bins, int) or not 1 <= bins <= MAX_BINS or not lo < hi
                 or not math.isfinite(hi - lo)):
             raise InvalidArgumentError(
-                f"stats histogram needs an int bins >= 1 and a finite range low < high, got "
-                f"bins={bins!r}, range={range!r}; e.g. StatsSpec(bins=64, range=(-8.0, 8.0))"
+                f"stats histogram needs an int bins from 1 to {MAX_BINS} and a finite range low < high, got "
+                f"bins={bins!r:.40}, range={range!r:.80}; e.g. StatsSpec(bins=64, range=(-8.0, 8.0))"
             )
         self.bins, self.low, self.high = bins, lo, hi
 

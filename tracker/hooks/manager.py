@@ -58,6 +58,11 @@ def _check_stored_names(category: str, hook_fn_name: str, targets: list[tuple[st
     check_name(hook_fn_name, "hook function name",
                fix="register it with another hook_fn_name= (a Recorder hook: rec.hook(kind, name=...))")
     for module_name, _ in targets:
+        if not module_name:
+            raise InvalidArgumentError(
+                f"module name {module_name!r} is empty (the root module's qualified name): a run cannot name its "
+                f"handle; register it under a name, e.g. mgr.register_{category}(fn, model=model), or leave the root "
+                f"out of a selection: select(model, '?*')")
         check_name(module_name, "module name",
                    fix=f"register the module under another name, e.g. mgr.register_{category}(fn, "
                        f"**{{{_clean_name(module_name)!r}: module}})")

@@ -73,7 +73,8 @@ def select(
     The result is ordered like ``model.named_modules()`` and can be passed straight to a
     registration call: ``mgr.register_forward_hook(fn, **select(model, "encoder.layers.*.mlp"))``.
     Names are the qualified names of ``named_modules()``; the root module's name is ``""``, so
-    ``"*"`` includes it (its handle ids read ``fn[]``). A module reachable under several names is
+    ``"*"`` includes it (a plain hook may record it; a Recorder's hook refuses the empty name: use
+    ``"?*"`` to leave the root out, or register the root under a name). A module reachable under several names is
     listed once, under its first name. A ``DistributedDataParallel`` / ``DataParallel`` wrapper is
     looked through, so names carry no ``module.`` prefix and match those of a single-process run.
 
