@@ -7,7 +7,8 @@ measured in one run.
 * **frame**: ``open_run(run).frame()`` of a closed run of ``--handles`` handles x ``--records``
   records (one field each, ``--record-kib`` per record) against reading the same index with plain
   h5py (for every file: ``step``, ``call``, ``_index/<field>/record`` and ``norm``; no
-  DataFrame). Page cache warm; rounds alternate; the first round of each is in a fresh process.
+  DataFrame). Page cache warm; the first round of each in a fresh process, then (in another
+  process, after one round of each) alternating rounds, medians; never in the writing process.
   Wall and CPU time (``time.process_time``: what the other jobs on a shared machine change least).
   ``--handles 10 --record-kib 1024``: a 10 GB run of few handles with big records.
 * **reduce**: the float64 mean of a float32 field of ``--field-gb`` GB (1 MiB records) three
@@ -26,17 +27,15 @@ import argparse
 import json
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import h5py
 import numpy as np
 
-from hookline.storage import RunWriter, open_run
+from hookline.storage import RunWriter
 
 FIELD = "outputs.0"
 BLOCK = 64 << 20
@@ -61,21 +60,33 @@ def write_many(run: Path, handles: int, records: int, record_kib: float) -> None
 
 
 FRAME_CODE = PEAK + """
-import sys, time, json
-run_dir, which = sys.argv[1], sys.argv[2]
+import sys, time, json, statistics
+run_dir, which, rounds = sys.argv[1], sys.argv[2], int(sys.argv[3])
 import glob, h5py, pandas  # (imports outside the timing: pandas alone takes ~1-3 s here)
 from hookline.storage import open_run
-t0, c0 = time.perf_counter(), time.process_time()
-if which == "hookline":
+def hookline():
     with open_run(run_dir) as run:
-        n = len(run.frame())
-else:
+        return len(run.frame())
+def plain():
     n = 0
     for p in sorted(glob.glob(run_dir + "/outputs/*.h5")):
         with h5py.File(p, "r") as f:
             cols = [f["step"][:], f["call"][:], f["_index/outputs.0/record"][:], f["_index/outputs.0/norm"][:]]
             n += len(cols[2])
-print(json.dumps({"s": time.perf_counter() - t0, "cpu": time.process_time() - c0, "rows": n, "peak": peak()}))
+    return n
+def timed(fn):
+    t0, c0 = time.perf_counter(), time.process_time()
+    n = fn()
+    return {"s": time.perf_counter() - t0, "cpu": time.process_time() - c0, "rows": n}
+if which != "warm":  # this process's first read of the run
+    print(json.dumps({**timed(hookline if which == "hookline" else plain), "peak": peak()}))
+else:  # one round of each first, then alternating rounds; medians
+    hookline(), plain()
+    runs = {"hookline": [], "h5py": []}
+    for r in range(rounds):
+        for w in (("hookline", "h5py") if r % 2 == 0 else ("h5py", "hookline")):
+            runs[w].append(timed(hookline if w == "hookline" else plain))
+    print(json.dumps({w: {k: statistics.median(x[k] for x in v) for k in ("s", "cpu")} for w, v in runs.items()}))
 """
 
 
@@ -93,24 +104,13 @@ def bench_frame(d: Path, handles: int, records: int, record_kib: float, rounds: 
     size = sum(p.stat().st_size for p in run.rglob("*.h5"))
     print(f"frame: {handles} handles x {records} records, {size / 1e9:.2f} GB on disk (written in "
           f"{time.perf_counter() - t0:.0f} s)")
-    first = {w: _child(FRAME_CODE, str(run), w) for w in ("h5py", "hookline")}  # fresh processes
+    # (every round in a process that did not write the run: writing 1,000 files leaves a process's
+    # later HDF5 opens ~1.6x slower, for plain h5py too)
+    first = {w: _child(FRAME_CODE, str(run), w, "0") for w in ("h5py", "hookline")}  # fresh processes
     assert first["hookline"]["rows"] == first["h5py"]["rows"] == handles * records
-    times: dict[str, list[float]] = {"hookline": [], "h5py": []}
-    cpu: dict[str, list[float]] = {"hookline": [], "h5py": []}
-    for r in range(rounds):  # warm: in this process, alternating
-        for which in (("hookline", "h5py") if r % 2 == 0 else ("h5py", "hookline")):
-            t, c = time.perf_counter(), time.process_time()
-            if which == "hookline":
-                with open_run(run) as opened:
-                    opened.frame()
-            else:
-                for p in sorted((run / "outputs").glob("*.h5")):
-                    with h5py.File(p, "r") as f:
-                        [f["step"][:], f["call"][:], f[f"_index/{FIELD}/record"][:], f[f"_index/{FIELD}/norm"][:]]
-            times[which].append(time.perf_counter() - t)
-            cpu[which].append(time.process_time() - c)
-    hl, hp = statistics.median(times["hookline"]), statistics.median(times["h5py"])
-    cl, cp = statistics.median(cpu["hookline"]), statistics.median(cpu["h5py"])
+    warm = _child(FRAME_CODE, str(run), "warm", str(rounds))
+    hl, hp = warm["hookline"]["s"], warm["h5py"]["s"]
+    cl, cp = warm["hookline"]["cpu"], warm["h5py"]["cpu"]
     fh, fp = first["hookline"], first["h5py"]
     print(f"  fresh process: hookline Run.frame() {fh['s']:.3f} s wall, {fh['cpu']:.3f} s CPU "
           f"(peak {fh['peak'] / 2**20:.0f} MiB); plain h5py index reads {fp['s']:.3f} s wall, {fp['cpu']:.3f} s CPU "
