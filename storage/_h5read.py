@@ -28,7 +28,7 @@ from ._h5meta import FieldMeta, part_meta
 from .errors import HooklineError, StorageError
 from .format import INDEX_GROUP
 
-__all__ = ["FileLRU", "Part", "PartField", "open_part", "open_file_id"]
+__all__ = ["FileLRU", "Part", "PartField", "open_part", "open_file_id", "first_rows"]
 
 def _ragged_sizes(offs: np.ndarray, shps: np.ndarray, extent: int, where: str, name: str) -> np.ndarray:
     """Elements of every entry of a ragged field, after checking its whole index: shapes are
@@ -123,13 +123,10 @@ class PartField:
             self._ds, self._gen = f[self.name], self.part.generation
         return self._ds
 
-    def _g(self) -> h5py.Group:
-        return self.part.f[INDEX_GROUP][self.name]
-
     def _load(self, name: str) -> np.ndarray:
         """Index dataset ``name``'s first :attr:`count` rows, as int64 (float64 for norms)."""
-        with _reading(self._where, f"field {self.name!r}: index {name!r}"):
-            arr = self._g()[name][: self.count]
+        path = f"{INDEX_GROUP}/{self.name}/{name}"
+        arr = first_rows(self.part, path, self.count, f"field {self.name!r}: index {name!r}")
         if len(arr) != self.count:
             raise damaged(self._where, f"field {self.name!r}: index {name!r} has {len(arr)} entries, "
                                         f"expected {self.count}")
@@ -217,7 +214,6 @@ class PartField:
             self.ds.read_direct(out, np.s_[a:b])
             return out
 
-
     def _check(self, a: int, b: int) -> None:
         """Check the chunk hashes of the blocks holding entries ``[a, b)`` (once per block)."""
         if self.shape is None and b > a:  # (ragged: the entries' elements)
@@ -225,6 +221,32 @@ class PartField:
             a, b = int(self.offsets[a]), int(self.offsets[b - 1] + sizes[-1])
         with _reading(self._where, f"field {self.name!r}: entries [{a}, {b})"):
             check_entries(self, a, b, self._checked)
+
+
+def first_rows(part: Part, name: str, n: int, what: str) -> np.ndarray:
+    """The first ``n`` rows (fewer if the dataset is shorter: the caller checks) of the index
+    dataset ``name`` of ``part``'s file, in its stored dtype: what ``part.f[name][:n]`` reads,
+    through HDF5's low-level calls. Building h5py's ``File``, ``Group`` and ``Dataset`` objects
+    (and closing the ``File``) costs several times reading a small index, and a table reads
+    four indexes from each of thousands of files.
+
+    Raises:
+        FormatError: HDF5 fails to read it (a damaged file; see :func:`_reading`).
+    """
+    with _reading(str(part.path), what):
+        dsid = h5d.open(part.fid, name.encode("utf-8"))
+        try:
+            fspace = dsid.get_space()
+            dims = fspace.shape
+            count = (min(n, dims[0]), *dims[1:])  # (index datasets are 1-D or 2-D: checked at open)
+            dtype = part.stored_dtypes.get(name)
+            out = np.empty(count, dsid.dtype if dtype is None else dtype)
+            if out.size:
+                fspace.select_hyperslab((0,) * len(count), count)
+                dsid.read(h5s.create_simple(count), fspace, out)
+        finally:
+            dsid.close()
+    return out
 
 
 @contextmanager
@@ -312,6 +334,7 @@ class Part:
         self.generation = 0  # bumped at every reopen (PartField looks its dataset up again)
         meta = part_meta(st, str(path))
         self._meta = meta
+        self.stored_dtypes = st.dtypes  # (the checked structure's, shared: read-only)
         self.record_start = meta.record_start
         self.n = meta.n
         self.handle_id = meta.handle_id
@@ -328,8 +351,7 @@ class Part:
         return dict(self._meta.attrs)
 
     def _index(self, name: str) -> np.ndarray:
-        with _reading(str(self.path), f"index {name!r}"):
-            arr = self.f[name][: self.n].astype(np.int64)
+        arr = first_rows(self, name, self.n, f"index {name!r}").astype(np.int64, copy=False)
         if len(arr) != self.n:
             raise damaged(str(self.path), f"{name!r} has {len(arr)} entries, expected {self.n}")
         return arr

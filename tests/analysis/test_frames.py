@@ -3,15 +3,18 @@ checked against the reader's own steps, calls, ranks and norms."""
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 
+import h5py
 import numpy as np
 import pandas as pd
 import pytest
 
 from _analysis_runs import GID, HID, SID, STATS, write_run
-from hookline.storage import InvalidArgumentError, MissingDependencyError, UnknownNameError, frame, open_run
+from hookline.storage import (FormatError, InvalidArgumentError, MissingDependencyError, UnknownNameError, frame,
+                              open_run)
 from hookline.storage._h5read import PartField
 
 
@@ -147,6 +150,37 @@ def test_rank_column_distinguishes_ranks(runs):
         assert df["rank"].tolist() == [0] * 6 + [1] * 6
         _check(df, _expected_field(run[HID]["outputs.0"]))
         assert frame(run, fields="outputs.0").groupby("rank")["norm"].size().to_dict() == {0: 12, 1: 12}
+
+
+def test_a_live_run_frames_over_its_sealed_segments(tmp_path):
+    w = write_run(tmp_path / "live", n=20, close=False, flush_every=4)  # writer open: one file per flush
+    try:
+        with open_run(tmp_path / "live") as run:
+            df = run.frame()
+            for hid in run.handles:
+                h = run[hid]
+                assert len(h[h.fields[0]].pieces) > 1
+                for name in h.fields:
+                    if hid != SID:
+                        _check(df[(df["handle"] == hid) & (df["field"] == name)], _expected_field(h[name]))
+            assert df.loc[df["handle"] == HID, "step"].tolist() == [i // 2 for i in range(20)] * 3
+    finally:
+        w.close()
+
+
+def test_a_damaged_or_foreign_file_is_refused_by_the_table(tmp_path):
+    write_run(tmp_path / "bad", n=12)
+    with h5py.File(tmp_path / "bad/outputs/fc1.h5", "r+") as f:
+        f["_index/outputs.0/record"][3] = 1  # record numbers must increase
+    with open_run(tmp_path / "bad") as run:
+        with pytest.raises(FormatError, match=r"fc1\.h5.*'outputs\.0'.*not increasing"):
+            run.frame(handles=HID)
+        assert len(run.frame(handles=GID)) == 6  # the other files still read
+    write_run(tmp_path / "moved", n=12)
+    shutil.copy(tmp_path / "moved/grads/fc1.h5", tmp_path / "moved/outputs/fc1.h5")  # another handle's file
+    with open_run(tmp_path / "moved") as run, pytest.warns(UserWarning, match=r"belongs to handle 'grads\[fc1\]'"):
+        df = run.frame()
+    assert HID not in set(df["handle"]) and len(df[df["handle"] == GID]) == 6
 
 
 def test_a_run_in_mlflow(runs, sqlite_tracking_uri, tmp_path):

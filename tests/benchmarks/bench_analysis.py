@@ -7,7 +7,10 @@ measured in one run.
 * **frame**: ``open_run(run).frame()`` of a closed run of ``--handles`` handles x ``--records``
   records (one field each, ``--record-kib`` per record) against reading the same index with plain
   h5py (for every file: ``step``, ``call``, ``_index/<field>/record`` and ``norm``; no
-  DataFrame). Page cache warm; rounds alternate; the first round of each is in a fresh process.
+  DataFrame). Page cache warm; the first round of each in a fresh process, then (in another
+  process, after one round of each) alternating rounds, medians; never in the writing process.
+  Wall and CPU time (``time.process_time``: what the other jobs on a shared machine change least).
+  ``--handles 10 --record-kib 1024``: a 10 GB run of few handles with big records.
 * **reduce**: the float64 mean of a float32 field of ``--field-gb`` GB (1 MiB records) three
   ways, each in a fresh process, the file's pages dropped before each
   (``posix_fadvise(POSIX_FADV_DONTNEED)``): ``field.to_dask().mean(dtype=float64)`` on a
@@ -24,17 +27,15 @@ import argparse
 import json
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import h5py
 import numpy as np
 
-from hookline.storage import RunWriter, open_run
+from hookline.storage import RunWriter
 
 FIELD = "outputs.0"
 BLOCK = 64 << 20
@@ -44,32 +45,48 @@ PEAK = ("def peak():\n    with open('/proc/self/status') as f:\n"
 
 
 def write_many(run: Path, handles: int, records: int, record_kib: float) -> None:
-    """A closed run of ``handles`` handles of ``records`` records each."""
+    """A closed run of ``handles`` handles of ``records`` records each (written in blocks of at
+    most 64 MiB, so big records do not need the whole field in memory)."""
     rec = np.random.default_rng(0).standard_normal(max(1, int(record_kib * 256))).astype(np.float32)
-    steps = np.arange(records, dtype=np.int64)
+    per = max(1, min(records, BLOCK // rec.nbytes))
+    block = np.tile(rec, (per, 1))
     with RunWriter(run, fsync=False) as w:
         for h in range(handles):
             w.add_handle(f"outputs[layers.{h}]", module_name=f"layers.{h}")
-            w.write_block(f"outputs[layers.{h}]", steps, np.zeros(records, np.int64),
-                          {FIELD: np.tile(rec, (records, 1))})
+            for a in range(0, records, per):
+                b = min(records, a + per)
+                w.write_block(f"outputs[layers.{h}]", np.arange(a, b, dtype=np.int64), np.zeros(b - a, np.int64),
+                              {FIELD: block[: b - a]})
 
 
 FRAME_CODE = PEAK + """
-import sys, time, json
-run_dir, which = sys.argv[1], sys.argv[2]
+import sys, time, json, statistics
+run_dir, which, rounds = sys.argv[1], sys.argv[2], int(sys.argv[3])
 import glob, h5py, pandas  # (imports outside the timing: pandas alone takes ~1-3 s here)
 from hookline.storage import open_run
-t0 = time.perf_counter()
-if which == "hookline":
+def hookline():
     with open_run(run_dir) as run:
-        n = len(run.frame())
-else:
+        return len(run.frame())
+def plain():
     n = 0
     for p in sorted(glob.glob(run_dir + "/outputs/*.h5")):
         with h5py.File(p, "r") as f:
             cols = [f["step"][:], f["call"][:], f["_index/outputs.0/record"][:], f["_index/outputs.0/norm"][:]]
             n += len(cols[2])
-print(json.dumps({"s": time.perf_counter() - t0, "rows": n, "peak": peak()}))
+    return n
+def timed(fn):
+    t0, c0 = time.perf_counter(), time.process_time()
+    n = fn()
+    return {"s": time.perf_counter() - t0, "cpu": time.process_time() - c0, "rows": n}
+if which != "warm":  # this process's first read of the run
+    print(json.dumps({**timed(hookline if which == "hookline" else plain), "peak": peak()}))
+else:  # one round of each first, then alternating rounds; medians
+    hookline(), plain()
+    runs = {"hookline": [], "h5py": []}
+    for r in range(rounds):
+        for w in (("hookline", "h5py") if r % 2 == 0 else ("h5py", "hookline")):
+            runs[w].append(timed(hookline if w == "hookline" else plain))
+    print(json.dumps({w: {k: statistics.median(x[k] for x in v) for k in ("s", "cpu")} for w, v in runs.items()}))
 """
 
 
@@ -87,25 +104,20 @@ def bench_frame(d: Path, handles: int, records: int, record_kib: float, rounds: 
     size = sum(p.stat().st_size for p in run.rglob("*.h5"))
     print(f"frame: {handles} handles x {records} records, {size / 1e9:.2f} GB on disk (written in "
           f"{time.perf_counter() - t0:.0f} s)")
-    first = {w: _child(FRAME_CODE, str(run), w) for w in ("h5py", "hookline")}  # fresh processes
+    # (every round in a process that did not write the run: writing 1,000 files leaves a process's
+    # later HDF5 opens ~1.6x slower, for plain h5py too)
+    first = {w: _child(FRAME_CODE, str(run), w, "0") for w in ("h5py", "hookline")}  # fresh processes
     assert first["hookline"]["rows"] == first["h5py"]["rows"] == handles * records
-    times: dict[str, list[float]] = {"hookline": [], "h5py": []}
-    for r in range(rounds):  # warm: in this process, alternating
-        for which in (("hookline", "h5py") if r % 2 == 0 else ("h5py", "hookline")):
-            t = time.perf_counter()
-            if which == "hookline":
-                with open_run(run) as opened:
-                    opened.frame()
-            else:
-                for p in sorted((run / "outputs").glob("*.h5")):
-                    with h5py.File(p, "r") as f:
-                        [f["step"][:], f["call"][:], f[f"_index/{FIELD}/record"][:], f[f"_index/{FIELD}/norm"][:]]
-            times[which].append(time.perf_counter() - t)
-    hl, hp = statistics.median(times["hookline"]), statistics.median(times["h5py"])
-    print(f"  fresh process: hookline Run.frame() {first['hookline']['s']:.3f} s "
-          f"(peak {first['hookline']['peak'] / 2**20:.0f} MiB), plain h5py index reads {first['h5py']['s']:.3f} s "
-          f"(peak {first['h5py']['peak'] / 2**20:.0f} MiB): {first['hookline']['s'] / first['h5py']['s']:.2f}x")
-    print(f"  warm process (median of {rounds}): hookline {hl:.3f} s, h5py {hp:.3f} s: {hl / hp:.2f}x")
+    warm = _child(FRAME_CODE, str(run), "warm", str(rounds))
+    hl, hp = warm["hookline"]["s"], warm["h5py"]["s"]
+    cl, cp = warm["hookline"]["cpu"], warm["h5py"]["cpu"]
+    fh, fp = first["hookline"], first["h5py"]
+    print(f"  fresh process: hookline Run.frame() {fh['s']:.3f} s wall, {fh['cpu']:.3f} s CPU "
+          f"(peak {fh['peak'] / 2**20:.0f} MiB); plain h5py index reads {fp['s']:.3f} s wall, {fp['cpu']:.3f} s CPU "
+          f"(peak {fp['peak'] / 2**20:.0f} MiB): {fh['s'] / fp['s']:.2f}x wall, {fh['cpu'] / fp['cpu']:.2f}x CPU")
+    print(f"  warm process (median of {rounds}): hookline {hl:.3f} s wall, {cl:.3f} s CPU; h5py {hp:.3f} s wall, "
+          f"{cp:.3f} s CPU: {hl / hp:.2f}x wall, {cl / cp:.2f}x CPU; per file: hookline "
+          f"{hl / handles * 1e3:.2f} ms, h5py {hp / handles * 1e3:.2f} ms (wall)")
     shutil.rmtree(run)
 
 
