@@ -178,7 +178,7 @@ def test_a_damaged_or_foreign_file_is_refused_by_the_table(tmp_path):
         assert len(run.frame(handles=GID)) == 6  # the other files still read
     write_run(tmp_path / "moved", n=12)
     shutil.copy(tmp_path / "moved/grads/fc1.h5", tmp_path / "moved/outputs/fc1.h5")  # another handle's file
-    with open_run(tmp_path / "moved") as run, pytest.warns(UserWarning, match=r"belongs to handle 'grads\[fc1\]'"):
+    with open_run(tmp_path / "moved") as run, pytest.warns(UserWarning, match=r"holds handle 'grads\[fc1\]', not 'outputs\[fc1\]'"):
         df = run.frame()
     assert HID not in set(df["handle"]) and len(df[df["handle"] == GID]) == 6
 
