@@ -244,3 +244,33 @@ def test_a_manifest_that_is_not_json_is_refused_naming_the_file(run_dir):
     (run_dir / "manifest.json").write_text("{not json")
     with pytest.raises(FormatError, match=r"cannot read manifest .*manifest\.json"):
         open_run(run_dir)
+
+
+def test_a_closed_run_leaves_no_reference_cycle_of_parts(tmp_path):
+    """Closed parts are freed at once, not at Python's next full collection (thousands of them
+    waiting slow every later HDF5 call of the process)."""
+    import gc
+
+    from hookline.storage import RunWriter, open_run
+
+    with RunWriter(tmp_path / "r") as w:
+        for h in range(20):
+            w.add_handle(f"outputs[m{h}]", module_name=f"m{h}", category="forward_hook")
+            for s in range(3):
+                w.write(f"outputs[m{h}]", s, 0, {"outputs.0": np.ones(4, np.float32)})
+    gc.collect()
+    gc.disable()
+    try:
+        run = open_run(tmp_path / "r")
+        for h in run.handles:
+            assert run[h]["outputs.0"].read().shape == (3, 4)
+        run.close()
+        del run
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        gc.collect()
+        left = [type(o).__name__ for o in gc.garbage if type(o).__name__ in ("Part", "PartField")]
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        gc.enable()
+    assert left == []
