@@ -90,7 +90,10 @@ class RecordRows:
             chunks: their rows are gathered from the page cache) and up to ``prefetch + 6``
             batches' buffers.
         batch_rows: yield batches of this many rows (dicts of ``(batch_rows, ...)`` tensors; use
-            ``DataLoader(ds, batch_size=None)``) instead of single rows; the fast path.
+            ``DataLoader(ds, batch_size=None)``) instead of single rows; the fast path. A batch
+            holds the same rows as without it (``batch_rows`` consecutive rows of the shuffled
+            order), ordered as they lie in the window (a cheaper copy; a batch's gradient does
+            not depend on the order of its rows).
         steps: only records of these steps.
         sample_dims: leading dimensions that index rows with ``rows="sample"`` (an int, or a
             dict reference -> int); default: all but the last. E.g. 2 for ``(batch, seq)`` token
@@ -214,7 +217,7 @@ class RecordRows:
         rng = np.random.default_rng([self.seed, self.epoch, num_shards, shard]) if self.shuffle else None
         return iter_blocks(self._open, self.plan, units, capacity=self.buffer_rows, rng=rng,
                            batch_rows=self.batch_rows or ROW_BLOCK, index=self.index, depth=self.prefetch + 1,
-                           reuse=self._reuse)
+                           reuse=self._reuse, sort=self.batch_rows is not None)
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)

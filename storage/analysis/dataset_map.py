@@ -4,7 +4,7 @@
 A fixed-shape field whose chunks hold whole records and are stored without filters (no
 compression: hookline's default) has every row at a known byte offset of its file. Its files are
 memory-mapped read-only and a batch's rows are copied from the mapping into the batch buffer
-(``np.take(..., out=)``, which releases the GIL): each byte is copied once, with no intermediate
+(``np.take``, which releases the GIL): each byte is copied once, with no intermediate
 window. The chunks of a window are announced to the kernel first (``MADV_WILLNEED``), so rows
 not yet in memory are read from disk in chunk-sized blocks, never one read per row.
 
@@ -91,17 +91,22 @@ class MappedRows:
     def gather(self, refs: np.ndarray, out: np.ndarray) -> None:
         """Copy the rows ``refs`` into ``out`` (C-contiguous, ``len(refs)`` rows of this field).
 
-        Rows are gathered with ``np.take`` from a 2-D view of a mapping whose rows start at the
-        refs' offset modulo the row size: one ``take`` per (file, phase) the rows come from.
+        Rows are gathered with ``np.take(..., out=, mode="clip")`` (``mode="raise"`` would copy
+        through a scratch buffer; the refs are in range by construction) from a 2-D view of a mapping whose rows
+        start at the refs' offset modulo the row size: one ``take`` per run of consecutive refs
+        in the same (file, phase) (rows in storage order make few runs); with many short runs,
+        one ``take`` per (file, phase) through a scratch array.
         """
-        rb = self.row_bytes
-        dst = out.reshape(len(refs), -1).view(np.uint8)
+        rb, n = self.row_bytes, len(refs)
+        if not n:
+            return
+        dst = out.reshape(n, -1).view(np.uint8)
         files, offsets = refs >> FILE_SHIFT, refs & _OFFSET
         group = files * rb + offsets % rb
-        first = int(group[0]) if len(group) else 0
-        if not len(group) or (group == first).all():
-            if len(group):
-                np.take(self._rows(first), offsets // rb, axis=0, out=dst)
+        cuts = np.flatnonzero(group[1:] != group[:-1]) + 1
+        if len(cuts) <= max(8, n // 64):
+            for a, b in zip(np.concatenate([[0], cuts]), np.concatenate([cuts, [n]])):
+                np.take(self._rows(int(group[a])), offsets[a:b] // rb, axis=0, out=dst[a:b], mode="clip")
             return
         for g in np.unique(group):
             m = group == g

@@ -175,7 +175,7 @@ class WindowRows:
         if isinstance(rows, slice):
             out[...] = src[rows]
         else:
-            np.take(src, rows, axis=0, out=out)
+            np.take(src, rows, axis=0, out=out, mode="clip")  # (rows are in range; "raise" copies via scratch)
 
 
 class MappedWindow:
@@ -207,11 +207,15 @@ class Batcher:
     batch of an epoch may be shorter), each window's rows in a random order drawn from ``rng``
     (None: in order). Rows are copied once, straight into the batch's buffers (``alloc``); a
     batch not full at the end of a window is completed from the next one, so each row is handed
-    out exactly once."""
+    out exactly once. With ``sort``, the rows a batch takes from a window (a random sample of
+    it) come in the order they lie in the window (units in the epoch's unit order, a unit's rows
+    in storage order): the same rows, read in the order that copies fastest."""
 
-    def __init__(self, batch_rows: int, rng: np.random.Generator | None, alloc: Callable[[], Block]) -> None:
+    def __init__(self, batch_rows: int, rng: np.random.Generator | None, alloc: Callable[[], Block],
+                 sort: bool = False) -> None:
         self.batch_rows = batch_rows
         self.rng = rng
+        self.sort = sort
         self.alloc = alloc
         self.cur: Block | None = None
         self.filled = 0
@@ -225,7 +229,9 @@ class Batcher:
             if self.cur is None:
                 self.cur, self.filled = self.alloc(), 0
             k = min(n - pos, self.batch_rows - self.filled)
-            rows = order[pos : pos + k] if order is not None else slice(pos, pos + k)
+            rows: np.ndarray | slice = slice(pos, pos + k)
+            if order is not None:
+                rows = np.sort(order[pos : pos + k]) if self.sort else order[pos : pos + k]
             for key, buf in self.cur.items():
                 src.take(key, rows, buf[self.filled : self.filled + k])
             pos, self.filled = pos + k, self.filled + k
@@ -293,11 +299,11 @@ def _spans(plan: Plan, units: np.ndarray, unit_rows: np.ndarray, cap: int) -> It
 
 def iter_blocks(opener: Callable[[], Run], plan: Plan, units: np.ndarray, *, capacity: int,
                 rng: np.random.Generator | None, batch_rows: int, index: bool, depth: int = 2,
-                reuse: Reuse | None = None) -> Iterator[Block]:
+                reuse: Reuse | None = None, sort: bool = False) -> Iterator[Block]:
     """Batches of ``batch_rows`` rows of ``units`` (in that order), made on a prefetch thread
     (at most ``depth`` ahead) that opens the run itself (``opener``) and closes it at the end:
     units are taken in windows of ``capacity`` rows (at least one unit), each window's rows in a
-    random order from ``rng`` (None: in order). Fields stored as plain chunks are gathered
+    random order from ``rng`` (None: in order; ``sort``: see :class:`Batcher`). Fields stored as plain chunks are gathered
     straight from mapped files (:mod:`.dataset_map`); others are read through HDF5 into a
     window first. Windows, mappings and buffers come from and go back to ``reuse``."""
     reuse = reuse if reuse is not None else Reuse()
@@ -318,7 +324,7 @@ def iter_blocks(opener: Callable[[], Run], plan: Plan, units: np.ndarray, *, cap
         try:
             fields = _fields(run, plan)
             mapped = map_fields(fields, plan.row_shapes, reuse.maps)
-            batcher = Batcher(batch_rows, rng, alloc)
+            batcher = Batcher(batch_rows, rng, alloc, sort)
             for spans, n in _spans(plan, units, unit_rows, cap):
                 if mapped is not None:
                     src: WindowRows | MappedWindow = MappedWindow(mapped, plan, spans, index)
