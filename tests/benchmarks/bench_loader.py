@@ -3,7 +3,9 @@
 One field of ``--gb`` GB (records (8, 64, 512) float32, 1 MiB each; rows of 512 floats) is read
 for one epoch as batches of ``--batch`` rows, and beside it the same bytes and rows as:
 
-* raw: ``readinto`` of the same bytes from a flat file, 16 MiB at a time (the limit);
+* raw: ``readinto`` of the same bytes from a flat file, 16 MiB at a time into one reused buffer
+  (the limit); and the same reads into batches of ``--batch`` rows rotating through 4 buffers
+  (RecordDataset's rotation: a batch stays valid while the loop may use it);
 * memmap: an ``np.memmap`` of the same rows, batches in order / of random rows (one gather);
 * arrow: a Hugging Face ``datasets`` table of the same rows (``save_to_disk`` +
   ``load_from_disk``, the format SAE trainers cache activations in) read through its torch
@@ -94,6 +96,18 @@ def raw_read(flat: Path, row_bytes: int) -> Iterable[torch.Tensor]:
     with open(flat, "rb", buffering=0) as fh:
         while (k := fh.readinto(view)) > 0:
             yield torch.frombuffer(buf, dtype=torch.uint8)[: k - k % row_bytes].view(-1, row_bytes)
+
+
+def raw_batches(flat: Path, row_bytes: int, batch: int, buffers: int) -> Iterable[torch.Tensor]:
+    """The raw read into batches of ``batch`` rows, in turn through ``buffers`` buffers: the
+    buffer rotation of RecordDataset (batches in its queue, the one being filled, the one the loop
+    holds), so each batch stays valid while the loop may still use it."""
+    bufs = [bytearray(batch * row_bytes) for _ in range(buffers)]
+    i = 0
+    with open(flat, "rb", buffering=0) as fh:
+        while (k := fh.readinto(bufs[i % buffers])) > 0:
+            yield torch.frombuffer(bufs[i % buffers], dtype=torch.uint8)[: k - k % row_bytes].view(-1, row_bytes)
+            i += 1
 
 
 def memmap_batches(flat: Path, rows: int, batch: int, shuffle: bool) -> Iterable[torch.Tensor]:
@@ -194,6 +208,7 @@ def main() -> None:
         shuf = RecordDataset(run, REF, shuffle=True, batch_rows=a.batch)
         cases: list[tuple[str, Callable[[], Iterable[torch.Tensor]]]] = [
             ("raw sequential read (limit)", lambda: raw_read(flat, row_bytes)),
+            ("raw read into batches kept while used", lambda: raw_batches(flat, row_bytes, a.batch, 4)),
             ("RecordDataset sequential", lambda: dataset_batches(seq)),
             ("RecordDataset shuffled", lambda: dataset_batches(shuf)),
             ("RecordDataset shuffled, new dataset", lambda: dataset_batches(
@@ -215,6 +230,8 @@ def main() -> None:
             print(f"{name:42s} {rps:12,.0f} {gbs:7.2f} {gbs / raw:6.2f} {got:10d}")
         best = results["RecordDataset shuffled"][1]
         arr = results["datasets Arrow, torch format, shuffled"][1]
+        kept = results["raw read into batches kept while used"][1]
+        print(f"shuffled RecordDataset / raw read into kept batches: {best / kept:.2f}")
         print(f"shuffled RecordDataset / raw sequential: {best / raw:.2f} (target >= 0.8); "
               f"/ shuffled Arrow: {best / arr:.1f}x; / sequential Arrow: "
               f"{best / results['datasets Arrow, torch format, sequential'][1]:.1f}x")
