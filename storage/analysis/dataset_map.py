@@ -11,7 +11,8 @@ not yet in memory are read from disk in chunk-sized blocks, never one read per r
 Mappings (:class:`MapCache`) and batch buffers (:class:`BufferPool`) are kept between epochs:
 the first touch of a page of a new mapping or buffer costs a page fault. A batch buffer is reused
 only once nothing outside the pool refers to it (no tensor, view or array made from it is alive).
-Needs only numpy.
+A kept mapping keeps its file's disk space allocated after the file is replaced or removed (a
+live run's merge), until the dataset is gone or the mapping is evicted. Needs only numpy.
 """
 
 from __future__ import annotations

@@ -27,7 +27,8 @@ from ..reader import Field, Run
 from .dataset_map import BufferPool, MapCache, MappedRows, map_fields
 from .dataset_plan import INDEX_KEYS, Plan
 
-__all__ = ["Block", "Window", "WindowRows", "MappedWindow", "Batcher", "Reuse", "prefetched", "iter_blocks"]
+__all__ = ["Block", "Window", "WindowRows", "MappedWindow", "Batcher", "Reuse", "prefetched", "window_spans",
+           "iter_blocks"]
 
 Block = dict[str, np.ndarray]
 
@@ -281,7 +282,8 @@ def _window(plan: Plan, cap: int, index: bool, reuse: Reuse) -> Window:
     return Window(plan, cap, index)
 
 
-def _spans(plan: Plan, units: np.ndarray, unit_rows: np.ndarray, cap: int) -> Iterator[tuple[list[tuple[int, int]], int]]:
+def window_spans(plan: Plan, units: np.ndarray, unit_rows: np.ndarray, cap: int
+                 ) -> Iterator[tuple[list[tuple[int, int]], int]]:
     """The units in order, grouped into windows of at most ``cap`` rows (at least one unit):
     (aligned-record spans, rows) per window."""
     spans: list[tuple[int, int]] = []
@@ -303,9 +305,10 @@ def iter_blocks(opener: Callable[[], Run], plan: Plan, units: np.ndarray, *, cap
     """Batches of ``batch_rows`` rows of ``units`` (in that order), made on a prefetch thread
     (at most ``depth`` ahead) that opens the run itself (``opener``) and closes it at the end:
     units are taken in windows of ``capacity`` rows (at least one unit), each window's rows in a
-    random order from ``rng`` (None: in order; ``sort``: see :class:`Batcher`). Fields stored as plain chunks are gathered
-    straight from mapped files (:mod:`.dataset_map`); others are read through HDF5 into a
-    window first. Windows, mappings and buffers come from and go back to ``reuse``."""
+    random order from ``rng`` (None: in order; ``sort``: see :class:`Batcher`). Fields stored
+    as plain chunks are gathered straight from mapped files (:mod:`.dataset_map`); others are
+    read through HDF5 into a window first. Windows, mappings and buffers come from and go back
+    to ``reuse``."""
     reuse = reuse if reuse is not None else Reuse()
     cum = np.concatenate([[0], np.cumsum(plan.counts)])
     unit_rows = cum[plan.units[1:]] - cum[plan.units[:-1]]
@@ -325,7 +328,7 @@ def iter_blocks(opener: Callable[[], Run], plan: Plan, units: np.ndarray, *, cap
             fields = _fields(run, plan)
             mapped = map_fields(fields, plan.row_shapes, reuse.maps)
             batcher = Batcher(batch_rows, rng, alloc, sort)
-            for spans, n in _spans(plan, units, unit_rows, cap):
+            for spans, n in window_spans(plan, units, unit_rows, cap):
                 if mapped is not None:
                     src: WindowRows | MappedWindow = MappedWindow(mapped, plan, spans, index)
                 else:

@@ -69,7 +69,8 @@ def test_shuffle_is_a_seeded_permutation_that_changes_with_the_epoch(run_dir):
     # batching does not change which rows come together: batch i holds rows 5i..5i+4 of the order
     # without batches (in the order they lie in the window: the same rows, read in a cheaper order)
     batched = order(7, 0, batch_rows=5)
-    assert [sorted(batched[i : i + 5]) for i in range(0, 144, 5)] == [sorted(first[i : i + 5]) for i in range(0, 144, 5)]
+    runs = range(0, 144, 5)
+    assert [sorted(batched[i : i + 5]) for i in runs] == [sorted(first[i : i + 5]) for i in runs]
     assert batched != first
 
 

@@ -141,7 +141,7 @@ def where(run: Path, flat: Path, row_bytes: int, batch: int) -> None:
     from the mapped file into reused batch buffers, shuffled and in order."""
     from hookline.storage import open_run
     from hookline.storage.analysis.dataset_map import MapCache, map_fields
-    from hookline.storage.analysis.dataset_read import Batcher, MappedWindow, _spans
+    from hookline.storage.analysis.dataset_read import Batcher, MappedWindow, window_spans
 
     ds = RecordDataset(run, REF, shuffle=True, batch_rows=batch)
     plan = ds.plan
@@ -158,7 +158,7 @@ def where(run: Path, flat: Path, row_bytes: int, batch: int) -> None:
     for _ in range(2):  # (the first pass maps the file's pages: timed is the second)
         t = dict.fromkeys(t, 0.0)
         with open(flat, "rb", buffering=0) as fh:
-            for spans, n in _spans(plan, units, unit_rows, ds.buffer_rows):
+            for spans, n in window_spans(plan, units, unit_rows, ds.buffer_rows):
                 t0 = time.perf_counter()
                 for a, b in spans:
                     fh.seek(int(cum[a]) * row_bytes)
