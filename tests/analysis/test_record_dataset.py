@@ -215,6 +215,10 @@ def test_mapped_and_hdf5_reads_give_the_same_batches(run_dir, gzip_dir, tmp_path
         assert all(torch.equal(x[k], y[k]) and torch.equal(x[k], z[k]) for k in x)
     a = torch.cat([b[A] for b in plain])
     assert sorted(keys_of(a)) == expected_keys() and keys_of(a) != expected_keys()
+    # single rows: a block's rows in shuffled order jump between files (one gather per file)
+    rows = [_rows(RecordDataset(run, [A, B], shuffle=True, seed=3, unit_bytes=96)) for run in (gzip_dir, segments)]
+    assert torch.equal(rows[0][0], rows[1][0]) and torch.equal(rows[0][1], rows[1][1])
+    assert sorted(keys_of(rows[1][0])) == expected_keys()
 
 
 def test_batch_buffers_are_reused_only_once_nothing_holds_them(run_dir):
