@@ -84,6 +84,8 @@ class MappedRows:
 
     def will_need(self, entries: np.ndarray) -> None:
         """Ask the kernel to read the chunks of ``entries`` ahead (whole chunks, asynchronously)."""
+        if not hasattr(mmap, "MADV_WILLNEED"):
+            return
         page = mmap.PAGESIZE
         for f, off, n in np.unique(self.chunks[entries], axis=0):
             start = int(off) - int(off) % page
@@ -171,7 +173,10 @@ def _piece(pf: Any, row_bytes: int, storage: np.dtype, cache: MapCache) -> tuple
 def map_fields(fields: list[Field], row_shapes: list[tuple[int, ...] | None], cache: MapCache
                ) -> list[MappedRows] | None:
     """The fields' rows as :class:`MappedRows` (``row_shapes``: the plan's), or None when any
-    of them is not stored as plain, unfiltered chunks of whole records in local files."""
+    of them is not stored as plain, unfiltered chunks of whole records in local files (or the
+    system has no POSIX ``mmap``)."""
+    if not hasattr(mmap, "MAP_SHARED"):
+        return None
     out = []
     for fld, shape in zip(fields, row_shapes):
         if shape is None or fld.shape is None:
