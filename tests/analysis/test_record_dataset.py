@@ -215,6 +215,10 @@ def test_mapped_and_hdf5_reads_give_the_same_batches(run_dir, gzip_dir, tmp_path
         assert all(torch.equal(x[k], y[k]) and torch.equal(x[k], z[k]) for k in x)
     a = torch.cat([b[A] for b in plain])
     assert sorted(keys_of(a)) == expected_keys() and keys_of(a) != expected_keys()
+    # in order: runs of consecutive rows, read with os.preadv
+    ordered = [torch.cat([b[A] for b in RecordDataset(run, A, batch_rows=64)]) for run in (run_dir, gzip_dir, segments)]
+    assert keys_of(ordered[0]) == expected_keys() and torch.equal(ordered[0], ordered[1])
+    assert torch.equal(ordered[0], ordered[2])
     # single rows: a block's rows in shuffled order jump between files (one gather per file)
     rows = [_rows(RecordDataset(run, [A, B], shuffle=True, seed=3, unit_bytes=96)) for run in (gzip_dir, segments)]
     assert torch.equal(rows[0][0], rows[1][0]) and torch.equal(rows[0][1], rows[1][1])
