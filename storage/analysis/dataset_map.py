@@ -32,11 +32,22 @@ import numpy as np
 from .. import dtypes
 from ..reader import Field
 
-__all__ = ["MappedRows", "MapCache", "BufferPool", "map_fields", "FILE_SHIFT"]
+__all__ = ["MappedRows", "MapCache", "OwnFd", "BufferPool", "map_fields", "FILE_SHIFT"]
 
 #: A row reference is ``file << FILE_SHIFT | byte offset`` (files up to 16 TiB).
 FILE_SHIFT = 44
 _OFFSET = (1 << FILE_SHIFT) - 1
+
+
+class OwnFd:
+    """A descriptor of its own of an open file, closed when the last reference to it goes (a
+    :class:`MappedRows` keeps the ones it reads from, whatever the cache evicts)."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = os.dup(fd)
+
+    def __del__(self) -> None:
+        os.close(self.fd)
 
 
 class MapCache:
@@ -46,25 +57,21 @@ class MapCache:
 
     def __init__(self, capacity: int = 64) -> None:
         self.capacity = capacity
-        self._maps: OrderedDict[tuple[int, int, int, int], tuple[mmap.mmap, int]] = OrderedDict()
+        self._maps: OrderedDict[tuple[int, int, int, int], tuple[mmap.mmap, OwnFd]] = OrderedDict()
         self._lock = threading.Lock()
 
-    def get(self, fd: int) -> tuple[mmap.mmap, int]:
+    def get(self, fd: int) -> tuple[mmap.mmap, OwnFd]:
         """The mapping of the file open as ``fd`` and a descriptor of it (made on first use)."""
         st = os.fstat(fd)
         key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
         with self._lock:
             got = self._maps.get(key)
             if got is None:
-                got = self._maps[key] = (mmap.mmap(fd, 0, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ), os.dup(fd))
+                got = self._maps[key] = (mmap.mmap(fd, 0, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ), OwnFd(fd))
                 while len(self._maps) > self.capacity:
-                    os.close(self._maps.popitem(last=False)[1][1])  # (the mapping goes with its last view)
+                    self._maps.popitem(last=False)  # (both go with their last user)
             self._maps.move_to_end(key)
             return got
-
-    def __del__(self) -> None:
-        for _, fd in getattr(self, "_maps", {}).values():
-            os.close(fd)
 
 
 class MappedRows:
@@ -77,10 +84,10 @@ class MappedRows:
         row_bytes: bytes of one row (a record's rows lie one after another).
     """
 
-    def __init__(self, maps: list[tuple[mmap.mmap, int]], entry_refs: np.ndarray, chunks: np.ndarray,
+    def __init__(self, maps: list[tuple[mmap.mmap, OwnFd]], entry_refs: np.ndarray, chunks: np.ndarray,
                  row_bytes: int) -> None:
         self.maps = [m for m, _ in maps]
-        self.fds = [fd for _, fd in maps]
+        self.files = [f for _, f in maps]
         self.entry_refs = entry_refs
         self.chunks = chunks
         self.row_bytes = row_bytes
@@ -117,7 +124,7 @@ class MappedRows:
         runs = np.flatnonzero(np.diff(refs) != rb) + 1
         if len(runs) < n // 16:  # (long runs of consecutive rows: the kernel copies them faster)
             for a, b in zip(np.concatenate([[0], runs]), np.concatenate([runs, [n]])):
-                _pread(self.fds[int(files[a])], memoryview(dst[a:b]).cast("B"), int(offsets[a]))
+                _pread(self.files[int(files[a])].fd, memoryview(dst[a:b]).cast("B"), int(offsets[a]))
             return
         group = files * rb + offsets % rb
         cuts = np.flatnonzero(group[1:] != group[:-1]) + 1
@@ -165,7 +172,7 @@ def _chunk_table(ds: Any) -> dict[int, tuple[int, int, int]]:
 
 
 def _piece(pf: Any, row_bytes: int, storage: np.dtype, cache: MapCache
-           ) -> tuple[tuple[mmap.mmap, int], np.ndarray, np.ndarray] | None:
+           ) -> tuple[tuple[mmap.mmap, OwnFd], np.ndarray, np.ndarray] | None:
     """((mapping, descriptor), first-byte offset of every entry, ``(offset, nbytes)`` of its chunk) of one
     file's part of a field, or None when its rows cannot be read from a mapping."""
     shape = pf.shape

@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from _dataset_support import A, B, BF16_SPECIAL, bf16_bits, expected_keys, keys_of, record, write_run
 from hookline.storage import HooklineError, InvalidArgumentError, RecordDataset, RunWriter, StorageError, open_run
 from hookline.storage.analysis.dataset import records_per_batch
-from hookline.storage.analysis.dataset_map import MappedRows
+from hookline.storage.analysis.dataset_map import MapCache, MappedRows, map_fields
 from hookline.storage.reader import Field
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -223,6 +223,27 @@ def test_mapped_and_hdf5_reads_give_the_same_batches(run_dir, gzip_dir, tmp_path
     rows = [_rows(RecordDataset(run, [A, B], shuffle=True, seed=3, unit_bytes=96)) for run in (gzip_dir, segments)]
     assert torch.equal(rows[0][0], rows[1][0]) and torch.equal(rows[0][1], rows[1][1])
     assert sorted(keys_of(rows[1][0])) == expected_keys()
+
+
+def test_mapped_rows_keep_their_files_whatever_the_cache_drops(tmp_path):
+    import gc
+
+    run = write_run(tmp_path / "seg", merge=False)
+    with open_run(run) as r:
+        fld = r["outputs[a]"]["outputs.0"]
+        rows = map_fields([fld], [(4,)], MapCache(capacity=1))[0]  # 3 files through a cache of 1, then dropped
+        stored = fld.read_stored(0, len(fld)).reshape(-1, 4)
+    gc.collect()
+    others = [open(tmp_path / f"other{i}", "wb+") for i in range(6)]  # (would take a closed descriptor's number)
+    refs = rows.refs(np.arange(24), np.full(24, 6))
+    in_order, shuffled = np.empty((144, 4), np.float32), np.empty((144, 4), np.float32)
+    rows.gather(refs, in_order)  # (runs of consecutive rows: os.preadv)
+    perm = np.random.default_rng(0).permutation(144)
+    rows.gather(refs[perm], shuffled)  # (single rows: from the mappings)
+    assert keys_of(in_order) == expected_keys() and np.array_equal(in_order, stored)
+    assert np.array_equal(shuffled, stored[perm])
+    for f in others:
+        f.close()
 
 
 def test_batch_buffers_are_reused_only_once_nothing_holds_them(run_dir):
