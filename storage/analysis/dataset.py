@@ -24,7 +24,7 @@ from ..errors import HookTypeError, InvalidArgumentError
 from ..local import LocalSource
 from ..reader import Run, open_run
 from .dataset_plan import INDEX_KEYS, UNIT_BYTES, Plan, make_plan, parse_refs, unit_order
-from .dataset_read import Block, Window, iter_blocks
+from .dataset_read import Block, Reuse, iter_blocks
 
 __all__ = ["RecordDataset", "RecordRows", "records_per_batch", "BUFFER_BYTES"]
 
@@ -85,10 +85,15 @@ class RecordRows:
             seeded random order (:func:`records_per_batch` says how well a batch mixes).
         seed: the shuffle's seed; the order depends only on (seed, epoch, workers x ranks).
         buffer_rows: rows in a window (the shuffle buffer; at least one unit's rows). None: as
-            many as fit in :data:`BUFFER_BYTES`, at most 65536. Memory per worker:
-            ``(prefetch + 1) * buffer_rows`` rows.
+            many as fit in :data:`BUFFER_BYTES`, at most 65536. Memory per worker: one window of
+            ``buffer_rows`` rows for fields read through HDF5 (none for fields stored as plain
+            chunks: their rows are gathered from the page cache) and up to ``prefetch + 6``
+            batches' buffers.
         batch_rows: yield batches of this many rows (dicts of ``(batch_rows, ...)`` tensors; use
-            ``DataLoader(ds, batch_size=None)``) instead of single rows; the fast path.
+            ``DataLoader(ds, batch_size=None)``) instead of single rows; the fast path. A batch
+            holds the same rows as without it (``batch_rows`` consecutive rows of the shuffled
+            order), ordered as they lie in the window (a cheaper copy; a batch's gradient does
+            not depend on the order of its rows).
         steps: only records of these steps.
         sample_dims: leading dimensions that index rows with ``rows="sample"`` (an int, or a
             dict reference -> int); default: all but the last. E.g. 2 for ``(batch, seq)`` token
@@ -99,7 +104,7 @@ class RecordRows:
             rank and world size when it is initialised, else 0 and 1.
         tracking_uri, cache_dir: for ``runs:/`` runs, as in :func:`~hookline.storage.open_run`.
         unit_bytes: bytes of the widest field read per unit.
-        prefetch: windows the reading thread fills ahead of the one being handed out.
+        prefetch: batches the reading thread prepares ahead of the one being handed out.
 
     Raises:
         UnknownNameError: an unknown handle or field (the message lists the available ones).
@@ -122,7 +127,7 @@ class RecordRows:
         self.shuffle = bool(shuffle)
         self.index = bool(index)
         self.epoch = 0
-        self._pool: list[Window] = []  # read windows kept between epochs (memory already mapped)
+        self._reuse = Reuse(self.prefetch + 6)  # (windows, mappings, buffers kept between epochs)
         opened = not isinstance(run, Run)
         r = open_run(run, tracking_uri=tracking_uri, cache_dir=cache_dir) if opened else run  # type: ignore[arg-type]
         try:
@@ -211,17 +216,21 @@ class RecordRows:
         units = self._units(shard, num_shards)
         rng = np.random.default_rng([self.seed, self.epoch, num_shards, shard]) if self.shuffle else None
         return iter_blocks(self._open, self.plan, units, capacity=self.buffer_rows, rng=rng,
-                           batch_rows=self.batch_rows or ROW_BLOCK, index=self.index, windows=self.prefetch + 1,
-                           pool=self._pool)
+                           batch_rows=self.batch_rows or ROW_BLOCK, index=self.index, depth=self.prefetch + 1,
+                           reuse=self._reuse, sort=self.batch_rows is not None)
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
-        state["_pool"] = []  # (buffers of this process: a worker makes its own)
+        del state["_reuse"]  # (buffers and mappings of this process: a worker makes its own)
         if state["_dist"] is None and "torch.distributed" in sys.modules:
             # (a spawned DataLoader worker has no process group: it keeps its parent's rank)
             dist = _torch_dist()
             state["_dist"] = dist if dist != (0, 1) else None
         return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._reuse = Reuse(self.prefetch + 6)
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}({self._where!r}, {self.plan.keys!r}, rows={self.plan.rows!r}, "

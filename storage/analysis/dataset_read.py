@@ -1,12 +1,16 @@
-"""Reading a dataset plan's units as numpy batches: units are read into reusable *windows* of
-rows on a prefetch thread (one block read per field and unit, straight into the window), and
-batches are gathered out of each window in a seeded random order (or in order).
+"""Reading a dataset plan's units as numpy batches, on a prefetch thread: units are taken in
+*windows* of rows, each window's rows handed out in a seeded random order (or in order), and
+every row is copied once, straight into its batch's buffer.
+
+Fields stored as plain chunks (hookline's default: no compression) are gathered from mapped
+files (:mod:`.dataset_map`); other fields (compressed, ragged) are read through HDF5 into a
+reusable window first (one block read per field and unit), then gathered from it.
 
 A *block* is a dict ``key -> array`` whose arrays share their first dimension (rows): the field
 references hold the stored bits (bfloat16 as ``uint16``...; ragged whole records as an object
-array of per-record arrays), the index keys (:data:`~.dataset_plan.INDEX_KEYS`) int64. Every
-block handed out is fresh memory (the windows are reused, so nothing handed out is overwritten
-later). Needs only numpy (torch tensors are made by :mod:`.dataset`).
+array of per-record arrays), the index keys (:data:`~.dataset_plan.INDEX_KEYS`) int64. A block's
+buffers are reused for a later batch only once nothing refers to them any more (a tensor made
+from a block keeps it). Needs only numpy (torch tensors are made by :mod:`.dataset`).
 """
 
 from __future__ import annotations
@@ -20,9 +24,11 @@ import numpy as np
 from .. import dtypes
 from ..errors import StorageError
 from ..reader import Field, Run
+from .dataset_map import BufferPool, MapCache, MappedRows, map_fields
 from .dataset_plan import INDEX_KEYS, Plan
 
-__all__ = ["Block", "Window", "prefetched", "Batcher", "iter_blocks"]
+__all__ = ["Block", "Window", "WindowRows", "MappedWindow", "Batcher", "Reuse", "prefetched", "window_spans",
+           "iter_blocks"]
 
 Block = dict[str, np.ndarray]
 
@@ -158,123 +164,186 @@ class Window:
         self.n = end
 
 
-def _rows_of(block: Block) -> int:
-    return len(next(iter(block.values())))
+class WindowRows:
+    """The rows of a filled :class:`Window`, for :class:`Batcher`."""
+
+    def __init__(self, window: Window) -> None:
+        self.arrays = window.arrays
+
+    def take(self, key: str, rows: np.ndarray | slice, out: np.ndarray) -> None:
+        """Copy rows ``rows`` of ``key`` into ``out``."""
+        src = self.arrays[key]
+        if isinstance(rows, slice):
+            out[...] = src[rows]
+        else:
+            np.take(src, rows, axis=0, out=out, mode="clip")  # (rows are in range; "raise" copies via scratch)
+
+
+class MappedWindow:
+    """A window of rows left where they are (in mapped files): row references per field and the
+    index keys' values, for :class:`Batcher`."""
+
+    def __init__(self, fields: list[MappedRows], plan: Plan, spans: list[tuple[int, int]], index: bool) -> None:
+        self.fields = dict(zip(plan.keys, fields))
+        self.refs: Block = {}
+        for key, rows in self.fields.items():
+            j = plan.keys.index(key)
+            entries = np.concatenate([plan.entries[a:b, j] for a, b in spans])
+            rows.will_need(entries)
+            self.refs[key] = rows.refs(entries, np.concatenate([plan.counts[a:b] for a, b in spans]))
+        if index:
+            parts = [_index(plan, a, b) for a, b in spans]
+            self.refs.update({k: np.concatenate([p[k] for p in parts]) for k in INDEX_KEYS})
+
+    def take(self, key: str, rows: np.ndarray | slice, out: np.ndarray) -> None:
+        """Copy rows ``rows`` of ``key`` into ``out``."""
+        if key in self.fields:
+            self.fields[key].gather(self.refs[key][rows], out)
+        else:
+            out[...] = self.refs[key][rows]
 
 
 class Batcher:
     """Batches of exactly ``batch_rows`` rows gathered out of successive windows (the last
     batch of an epoch may be shorter), each window's rows in a random order drawn from ``rng``
-    (None: in order). Rows left over at the end of a window are copied and begin the next
-    batch, so each row is handed out exactly once."""
+    (None: in order). Rows are copied once, straight into the batch's buffers (``alloc``); a
+    batch not full at the end of a window is completed from the next one, so each row is handed
+    out exactly once. With ``sort``, the rows a batch takes from a window (a random sample of
+    it) come in the order they lie in the window (units in the epoch's unit order, a unit's rows
+    in storage order): the same rows, read in the order that copies fastest."""
 
-    def __init__(self, batch_rows: int, rng: np.random.Generator | None) -> None:
+    def __init__(self, batch_rows: int, rng: np.random.Generator | None, alloc: Callable[[], Block],
+                 sort: bool = False) -> None:
         self.batch_rows = batch_rows
         self.rng = rng
-        self.carry: Block | None = None
+        self.sort = sort
+        self.alloc = alloc
+        self.cur: Block | None = None
+        self.filled = 0
 
-    def feed(self, arrays: Block, n: int) -> Iterator[Block]:
-        """The batches the first ``n`` rows of ``arrays`` complete (copies: the window may be
-        reused once this generator is exhausted)."""
+    def feed(self, src: WindowRows | MappedWindow, n: int) -> Iterator[Block]:
+        """The batches the first ``n`` rows of ``src`` complete (``src`` may be refilled once
+        this generator is exhausted)."""
         order = self.rng.permutation(n) if self.rng is not None else None
-
-        def pick(x: int, y: int) -> Block:
-            if order is None:
-                return {k: v[x:y].copy() for k, v in arrays.items()}
-            return {k: np.take(v, order[x:y], axis=0) for k, v in arrays.items()}
-
-        pos, size = 0, self.batch_rows
-        if self.carry is not None:
-            pos = min(size - _rows_of(self.carry), n)
-            more = pick(0, pos)
-            merged = {k: np.concatenate([v, more[k]]) for k, v in self.carry.items()}
-            self.carry = None
-            if _rows_of(merged) < size:
-                self.carry = merged
-                return
-            yield merged
-        while n - pos >= size:
-            yield pick(pos, pos + size)
-            pos += size
-        if pos < n:
-            self.carry = pick(pos, n)
+        pos = 0
+        while pos < n:
+            if self.cur is None:
+                self.cur, self.filled = self.alloc(), 0
+            k = min(n - pos, self.batch_rows - self.filled)
+            rows: np.ndarray | slice = slice(pos, pos + k)
+            if order is not None:
+                rows = np.sort(order[pos : pos + k]) if self.sort else order[pos : pos + k]
+            for key, buf in self.cur.items():
+                src.take(key, rows, buf[self.filled : self.filled + k])
+            pos, self.filled = pos + k, self.filled + k
+            if self.filled == self.batch_rows:
+                yield self.cur
+                self.cur = None
 
     def flush(self) -> Iterator[Block]:
         """The last, shorter batch (if rows are left)."""
-        if self.carry is not None:
-            yield self.carry
-            self.carry = None
+        if self.cur is not None and self.filled:
+            yield {k: v[: self.filled] for k, v in self.cur.items()}
+        self.cur = None
 
 
-def _windows(plan: Plan, cap: int, index: bool, count: int, pool: list[Window] | None) -> list[Window]:
-    """``count`` windows of ``cap`` rows: taken from ``pool`` (windows of an earlier epoch,
-    whose memory is already mapped) where they fit, else new."""
+class Reuse:
+    """What a dataset keeps between epochs (fresh memory costs a page fault per page): the
+    window of the HDF5 path, file mappings and batch buffers.
+
+    Attributes:
+        windows: windows given back by finished epochs.
+        maps: file mappings of the mapped path.
+        buffers: batch buffers (reused once nothing refers to them).
+    """
+
+    def __init__(self, buffers: int = 8) -> None:
+        self.windows: list[Window] = []
+        self.maps = MapCache()
+        self.buffers = BufferPool(buffers)
+
+
+def _spec(plan: Plan, rows: int, index: bool) -> dict[str, tuple[np.dtype, tuple[int, ...]]]:
+    """key -> (dtype, shape) of a batch buffer of ``rows`` rows."""
+    spec = {k: (np.dtype(object) if shape is None else np.dtype(dtypes.info(name).storage), (rows, *(shape or ())))
+            for k, name, shape in zip(plan.keys, plan.dtype_names, plan.row_shapes)}
+    if index:
+        spec.update({k: (np.dtype(np.int64), (rows,)) for k in INDEX_KEYS})
+    return spec
+
+
+def _window(plan: Plan, cap: int, index: bool, reuse: Reuse) -> Window:
+    """A window of ``cap`` rows: one of an earlier epoch where it fits, else new."""
     keys = set(plan.keys) | (set(INDEX_KEYS) if index else set())
-    out: list[Window] = []
-    for w in list(pool or ()):
-        if len(out) < count and w.capacity == cap and set(w.arrays) == keys:
-            pool.remove(w)  # type: ignore[union-attr]
-            out.append(w)
-    return out + [Window(plan, cap, index) for _ in range(count - len(out))]
+    for w in list(reuse.windows):
+        if w.capacity == cap and set(w.arrays) == keys:
+            reuse.windows.remove(w)
+            return w
+    return Window(plan, cap, index)
+
+
+def window_spans(plan: Plan, units: np.ndarray, unit_rows: np.ndarray, cap: int
+                 ) -> Iterator[tuple[list[tuple[int, int]], int]]:
+    """The units in order, grouped into windows of at most ``cap`` rows (at least one unit):
+    (aligned-record spans, rows) per window."""
+    spans: list[tuple[int, int]] = []
+    n = 0
+    for u in units:
+        rows = int(unit_rows[u])
+        if spans and n + rows > cap:
+            yield spans, n
+            spans, n = [], 0
+        spans.append((int(plan.units[u]), int(plan.units[u + 1])))
+        n += rows
+    if spans:
+        yield spans, n
 
 
 def iter_blocks(opener: Callable[[], Run], plan: Plan, units: np.ndarray, *, capacity: int,
-                rng: np.random.Generator | None, batch_rows: int, index: bool, windows: int = 2,
-                pool: list[Window] | None = None) -> Iterator[Block]:
-    """Batches of ``batch_rows`` rows of ``units`` (in that order): read into ``windows``
-    reusable windows of ``capacity`` rows (at least one unit) on a prefetch thread that opens the
-    run itself (``opener``) and closes it at the end; each window's rows come out in a random
-    order from ``rng`` (None: in order). Windows come from and go back to ``pool`` (reused by
-    the next epoch: fresh memory costs a page fault per page)."""
+                rng: np.random.Generator | None, batch_rows: int, index: bool, depth: int = 2,
+                reuse: Reuse | None = None, sort: bool = False) -> Iterator[Block]:
+    """Batches of ``batch_rows`` rows of ``units`` (in that order), made on a prefetch thread
+    (at most ``depth`` ahead) that opens the run itself (``opener``) and closes it at the end:
+    units are taken in windows of ``capacity`` rows (at least one unit), each window's rows in a
+    random order from ``rng`` (None: in order; ``sort``: see :class:`Batcher`). Fields stored
+    as plain chunks are gathered straight from mapped files (:mod:`.dataset_map`); others are
+    read through HDF5 into a window first. Windows, mappings and buffers come from and go back
+    to ``reuse``."""
+    reuse = reuse if reuse is not None else Reuse()
     cum = np.concatenate([[0], np.cumsum(plan.counts)])
-    bounds = plan.units
-    unit_rows = cum[bounds[1:]] - cum[bounds[:-1]]
-    # (a window holds at least one unit, and no more rows than the shard has)
+    unit_rows = cum[plan.units[1:]] - cum[plan.units[:-1]]
     mine_rows = unit_rows[units]
     cap = max(min(int(capacity), int(mine_rows.sum())), int(mine_rows.max()) if len(units) else 1, 1)
-    mine = _windows(plan, cap, index, max(1, windows), pool)
-    free: queue.Queue[Window] = queue.Queue()
-    for w in mine:
-        free.put(w)
+    spec = _spec(plan, batch_rows, index)
 
-    def fill(stop: threading.Event) -> Iterator[Window]:
+    def alloc() -> Block:
+        return reuse.buffers.take(lambda: {k: np.empty(s, dt) for k, (dt, s) in spec.items()},
+                                  lambda b: all(k in b and b[k].shape == s and b[k].dtype == dt
+                                                for k, (dt, s) in spec.items()) and len(b) == len(spec))
+
+    def produce(stop: threading.Event) -> Iterator[Block]:
         run = opener()
+        win: Window | None = None
         try:
             fields = _fields(run, plan)
-            win: Window | None = None
-            for u in units:
-                a, b, rows = int(bounds[u]), int(bounds[u + 1]), int(unit_rows[u])
-                if win is None or win.n + rows > cap:
-                    if win is not None:
-                        yield win
-                    win = _next_free(free, stop)
-                    if win is None:
-                        return
+            mapped = map_fields(fields, plan.row_shapes, reuse.maps)
+            batcher = Batcher(batch_rows, rng, alloc, sort)
+            for spans, n in window_spans(plan, units, unit_rows, cap):
+                if mapped is not None:
+                    src: WindowRows | MappedWindow = MappedWindow(mapped, plan, spans, index)
+                else:
+                    win = win or _window(plan, cap, index, reuse)
                     win.n = 0
-                win.add(fields, plan, a, b, rows)
-            if win is not None and win.n:
-                yield win
+                    for a, b in spans:
+                        win.add(fields, plan, a, b, int(cum[b] - cum[a]))
+                    src = WindowRows(win)
+                yield from batcher.feed(src, n)
+                if stop.is_set():
+                    return
+            yield from batcher.flush()
         finally:
             run.close()
+            if win is not None:
+                reuse.windows.append(win)
 
-    batcher = Batcher(batch_rows, rng)
-    reads = prefetched(fill, depth=1)
-    try:
-        for win in reads:
-            yield from batcher.feed(win.arrays, win.n)
-            free.put(win)
-        yield from batcher.flush()
-    finally:
-        reads.close()  # (stops and joins the reading thread: the windows are free again)
-        if pool is not None:
-            pool.extend(mine)
-
-
-def _next_free(free: queue.Queue[Window], stop: threading.Event) -> Window | None:
-    """A window the consumer is done with (None once ``stop`` is set)."""
-    while not stop.is_set():
-        try:
-            return free.get(timeout=0.1)
-        except queue.Empty:
-            continue
-    return None
+    yield from prefetched(produce, depth=depth)

@@ -40,12 +40,14 @@ def bf16_bits(x: np.ndarray) -> np.ndarray:
 
 def write_run(run_dir: Path, *, steps: int = 12, calls: int = 2, batch: int = 2, seq: int = 3, d: int = 4,
               bf16: bool = False, skip_b: tuple[int, ...] = (), labels: bool = False,
-              ragged: bool = False) -> Path:
+              ragged: bool = False, compression: str | None = None, merge: bool = True) -> Path:
     """A closed run with handles ``outputs[a]`` and ``outputs[b]`` (``skip_b``: steps that b did
     not record); ``labels``: a handle ``inputs[emb]`` with (batch, seq) int64 token ids equal to
-    ``step * 100 + sample``; ``ragged``: seq varies with the step (``seq + step % 3``)."""
+    ``step * 100 + sample``; ``ragged``: seq varies with the step (``seq + step % 3``);
+    ``compression``: the writer's (compressed fields are read through HDF5, plain ones from mapped
+    files); ``merge=False``: a segment file per flush (a field spread over several files)."""
     d = max(d, 7) if bf16 else d
-    with RunWriter(run_dir) as w:
+    with RunWriter(run_dir, compression=compression, merge_on_close=merge) as w:
         for h in HANDLES:
             w.add_handle(h, module_name=h[8:-1], module_type="torch.nn.Linear", category="forward_hook",
                          hook_fn_name="outputs")
@@ -63,6 +65,8 @@ def write_run(run_dir: Path, *, steps: int = 12, calls: int = 2, batch: int = 2,
                 if labels:
                     ids = (s * 100 + np.arange(batch * t)).reshape(batch, t).astype(np.int64)
                     w.write("inputs[emb]", s, c, {"inputs.0": ids})
+            if not merge and s % 4 == 3:
+                w.flush()  # (seals a segment file per handle)
     return run_dir
 
 

@@ -20,6 +20,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from _dataset_support import A, B, BF16_SPECIAL, bf16_bits, expected_keys, keys_of, record, write_run
 from hookline.storage import HooklineError, InvalidArgumentError, RecordDataset, RunWriter, StorageError, open_run
 from hookline.storage.analysis.dataset import records_per_batch
+from hookline.storage.analysis.dataset_map import MapCache, MappedRows, map_fields
 from hookline.storage.reader import Field
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -65,7 +66,12 @@ def test_shuffle_is_a_seeded_permutation_that_changes_with_the_epoch(run_dir):
     assert order(7, 0) == first  # same seed and epoch: same order
     assert order(7, 1) != first and sorted(order(7, 1)) == expected_keys()
     assert order(8, 0) != first
-    assert order(7, 0, batch_rows=5) == first  # batching does not change the order
+    # batching does not change which rows come together: batch i holds rows 5i..5i+4 of the order
+    # without batches (in the order they lie in the window: the same rows, read in a cheaper order)
+    batched = order(7, 0, batch_rows=5)
+    runs = range(0, 144, 5)
+    assert [sorted(batched[i : i + 5]) for i in runs] == [sorted(first[i : i + 5]) for i in runs]
+    assert batched != first
 
 
 def test_batches_hold_batch_rows_rows(run_dir):
@@ -163,18 +169,97 @@ def test_pickles_before_iteration_and_opens_no_file_until_then(run_dir):
         assert r["outputs[a]"]["outputs.0"][0].shape == (2, 3, 4)
 
 
-def test_reads_whole_units_never_a_read_per_row(run_dir, monkeypatch):
-    calls = []
-    real = Field.read_stored
+@pytest.fixture(scope="module")
+def gzip_dir(tmp_path_factory):
+    """The rows of ``run_dir`` stored compressed: read through HDF5, not from mapped files."""
+    return write_run(tmp_path_factory.mktemp("dsz") / "run", compression="gzip")
+
+
+def test_reads_whole_units_never_a_read_per_row(run_dir, gzip_dir, monkeypatch):
+    calls, gathers = [], []
+    real_read, real_gather = Field.read_stored, MappedRows.gather
 
     def counting(self, start, stop, out=None):
         calls.append(stop - start)
-        return real(self, start, stop, out=out)
+        return real_read(self, start, stop, out=out)
+
+    def gathering(self, refs, out):
+        gathers.append(len(refs))
+        return real_gather(self, refs, out)
 
     monkeypatch.setattr(Field, "read_stored", counting)
-    ds = RecordDataset(run_dir, [A, B], shuffle=True, unit_bytes=4 * 96)
+    monkeypatch.setattr(MappedRows, "gather", gathering)
+    ds = RecordDataset(gzip_dir, [A, B], shuffle=True, unit_bytes=4 * 96)
     assert len(list(ds)) == 144
     assert len(calls) == 2 * ds.plan.num_units == 2 * 6 and set(calls) == {4}  # 4 records per read
+    assert gathers == []
+    # plain chunks: no HDF5 read; rows are gathered from the mapped files, one gather per batch and field
+    ds = RecordDataset(run_dir, [A, B], shuffle=True, unit_bytes=4 * 96, batch_rows=50)
+    assert len(list(ds)) == 3 and len(calls) == 12 and gathers == [50, 50, 50, 50, 44, 44]
+
+
+def test_mapped_and_hdf5_reads_give_the_same_batches(run_dir, gzip_dir, tmp_path):
+    segments = write_run(tmp_path / "seg", merge=False)  # (a field over several files)
+    assert len(open_run(segments)["outputs[a]"]["outputs.0"].pieces) == 3
+
+    def batches(run):
+        ds = RecordDataset(run, [A, B], shuffle=True, seed=3, batch_rows=7, buffer_rows=40, unit_bytes=96,
+                           index=True)
+        ds.set_epoch(1)
+        return list(ds)
+
+    plain, packed, split = batches(run_dir), batches(gzip_dir), batches(segments)
+    assert len(plain) == len(packed) == len(split) == 21
+    for x, y, z in zip(plain, packed, split):
+        assert x.keys() == y.keys() == z.keys()
+        assert all(torch.equal(x[k], y[k]) and torch.equal(x[k], z[k]) for k in x)
+    a = torch.cat([b[A] for b in plain])
+    assert sorted(keys_of(a)) == expected_keys() and keys_of(a) != expected_keys()
+    # in order: runs of consecutive rows, read with os.preadv
+    ordered = [torch.cat([b[A] for b in RecordDataset(run, A, batch_rows=64)]) for run in (run_dir, gzip_dir, segments)]
+    assert keys_of(ordered[0]) == expected_keys() and torch.equal(ordered[0], ordered[1])
+    assert torch.equal(ordered[0], ordered[2])
+    # single rows: a block's rows in shuffled order jump between files (one gather per file)
+    rows = [_rows(RecordDataset(run, [A, B], shuffle=True, seed=3, unit_bytes=96)) for run in (gzip_dir, segments)]
+    assert torch.equal(rows[0][0], rows[1][0]) and torch.equal(rows[0][1], rows[1][1])
+    assert sorted(keys_of(rows[1][0])) == expected_keys()
+
+
+def test_mapped_rows_keep_their_files_whatever_the_cache_drops(tmp_path):
+    import gc
+
+    run = write_run(tmp_path / "seg", merge=False)
+    with open_run(run) as r:
+        fld = r["outputs[a]"]["outputs.0"]
+        rows = map_fields([fld], [(4,)], MapCache(capacity=1))[0]  # 3 files through a cache of 1, then dropped
+        stored = fld.read_stored(0, len(fld)).reshape(-1, 4)
+    gc.collect()
+    others = [open(tmp_path / f"other{i}", "wb+") for i in range(6)]  # (would take a closed descriptor's number)
+    refs = rows.refs(np.arange(24), np.full(24, 6))
+    in_order, shuffled = np.empty((144, 4), np.float32), np.empty((144, 4), np.float32)
+    rows.gather(refs, in_order)  # (runs of consecutive rows: os.preadv)
+    perm = np.random.default_rng(0).permutation(144)
+    rows.gather(refs[perm], shuffled)  # (single rows: from the mappings)
+    assert keys_of(in_order) == expected_keys() and np.array_equal(in_order, stored)
+    assert np.array_equal(shuffled, stored[perm])
+    for f in others:
+        f.close()
+
+
+def test_batch_buffers_are_reused_only_once_nothing_holds_them(run_dir):
+    ds = RecordDataset(run_dir, [A, B], shuffle=True, batch_rows=4, unit_bytes=96)
+    kept = list(ds)  # every batch held: none may be overwritten by a later one
+    a = torch.cat([b[A] for b in kept])
+    assert sorted(keys_of(a)) == expected_keys() and torch.equal(a[:, :3], torch.cat([b[B] for b in kept])[:, :3])
+    view = kept[0][A][1:]  # a view keeps its batch's buffer too
+    first = view.clone()
+    del kept, a
+    made = ds._reuse.buffers.made
+    for epoch in range(1, 4):  # consumed and dropped: the pooled buffers serve every later epoch
+        ds.set_epoch(epoch)
+        rows = sorted(k for b in ds for k in keys_of(b[A]))
+        assert rows == expected_keys()
+    assert ds._reuse.buffers.made == made and torch.equal(view, first)
 
 
 def test_shard_rows_say_what_each_shard_gets(run_dir):
@@ -203,17 +288,17 @@ def test_mixing_meets_the_documented_bound(tmp_path):
     assert {len(set(b["step"].tolist())) for b in plain} == {1}
 
 
-def test_stopping_early_stops_the_reader_thread(run_dir):
+def test_stopping_early_stops_the_reader_thread(gzip_dir):
     before = threading.active_count()
-    ds = RecordDataset(run_dir, [A, B], unit_bytes=96, prefetch=1, shuffle=True, buffer_rows=30)
+    ds = RecordDataset(gzip_dir, [A, B], unit_bytes=96, prefetch=1, shuffle=True, buffer_rows=30)
     it = iter(ds)
     next(it)
     it.close()
     assert threading.active_count() == before
-    # the next epoch reuses the windows the stopped one gave back, and still gives every row once
-    assert len(ds._pool) == 2
+    # the next epoch reuses the window the stopped one gave back, and still gives every row once
+    assert len(ds._reuse.windows) == 1
     a, b = _rows(ds)
-    assert sorted(keys_of(a)) == expected_keys() and torch.equal(a[:, :3], b[:, :3]) and len(ds._pool) == 2
+    assert sorted(keys_of(a)) == expected_keys() and torch.equal(a[:, :3], b[:, :3]) and len(ds._reuse.windows) == 1
 
 
 def test_a_read_error_reaches_the_training_loop(tmp_path):

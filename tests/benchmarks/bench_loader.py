@@ -3,7 +3,9 @@
 One field of ``--gb`` GB (records (8, 64, 512) float32, 1 MiB each; rows of 512 floats) is read
 for one epoch as batches of ``--batch`` rows, and beside it the same bytes and rows as:
 
-* raw: ``readinto`` of the same bytes from a flat file, 16 MiB at a time (the limit);
+* raw: ``readinto`` of the same bytes from a flat file, 16 MiB at a time into one reused buffer
+  (the limit); and the same reads into batches of ``--batch`` rows rotating through 4 buffers
+  (RecordDataset's rotation: a batch stays valid while the loop may use it);
 * memmap: an ``np.memmap`` of the same rows, batches in order / of random rows (one gather);
 * arrow: a Hugging Face ``datasets`` table of the same rows (``save_to_disk`` +
   ``load_from_disk``, the format SAE trainers cache activations in) read through its torch
@@ -12,7 +14,9 @@ for one epoch as batches of ``--batch`` rows, and beside it the same bytes and r
 Every reader hands over torch tensors of each batch. Files are written first, so all reads
 come from the page cache (the machine has far more memory than the data). Each reader runs
 ``--repeat`` epochs, interleaved with the others, and its best is kept (the cores are shared);
-one RecordDataset per mode serves all its epochs (``set_epoch``), as in training. Slow readers
+one RecordDataset per mode serves all its epochs (``set_epoch``), as in training ("new
+dataset": a fresh one per epoch, which maps the file's pages again, like a ``DataLoader``
+worker that is not persistent). Slow readers
 stop after ``--budget`` seconds; their rate is over the rows read by then. Last, the stages of a
 shuffled epoch are timed one at a time (where the time goes).
 
@@ -94,6 +98,18 @@ def raw_read(flat: Path, row_bytes: int) -> Iterable[torch.Tensor]:
             yield torch.frombuffer(buf, dtype=torch.uint8)[: k - k % row_bytes].view(-1, row_bytes)
 
 
+def raw_batches(flat: Path, row_bytes: int, batch: int, buffers: int) -> Iterable[torch.Tensor]:
+    """The raw read into batches of ``batch`` rows, in turn through ``buffers`` buffers: the
+    buffer rotation of RecordDataset (batches in its queue, the one being filled, the one the loop
+    holds), so each batch stays valid while the loop may still use it."""
+    bufs = [bytearray(batch * row_bytes) for _ in range(buffers)]
+    i = 0
+    with open(flat, "rb", buffering=0) as fh:
+        while (k := fh.readinto(bufs[i % buffers])) > 0:
+            yield torch.frombuffer(bufs[i % buffers], dtype=torch.uint8)[: k - k % row_bytes].view(-1, row_bytes)
+            i += 1
+
+
 def memmap_batches(flat: Path, rows: int, batch: int, shuffle: bool) -> Iterable[torch.Tensor]:
     mm = np.memmap(flat, np.float32, "r", shape=(rows, SHAPE[-1]))
     order = np.random.default_rng(0).permutation(rows) if shuffle else None
@@ -120,46 +136,54 @@ def dataset_batches(ds: RecordDataset) -> Iterable[torch.Tensor]:
 
 def where(run: Path, flat: Path, row_bytes: int, batch: int) -> None:
     """Where a shuffled epoch's time goes, stage by stage on one thread, each beside a raw read
-    of the same bytes into the same memory (interleaved unit by unit, so load falls on both):
-    HDF5 block reads into the windows, and gathering batches out of them in random order."""
+    of the same bytes into a reused 16 MiB buffer (interleaved window by window, so load falls
+    on both): row references of each window (and its ``MADV_WILLNEED``), then gathering its rows
+    from the mapped file into reused batch buffers, shuffled and in order."""
     from hookline.storage import open_run
-    from hookline.storage.analysis.dataset_read import Batcher, Window
+    from hookline.storage.analysis.dataset_map import MapCache, map_fields
+    from hookline.storage.analysis.dataset_read import Batcher, MappedWindow, window_spans
 
     ds = RecordDataset(run, REF, shuffle=True, batch_rows=batch)
-    plan, cap = ds.plan, ds.buffer_rows
+    plan = ds.plan
     r = open_run(run)
-    fields = [r["outputs[layer]"]["outputs.0"]]
-    win, bat = Window(plan, cap, False), Batcher(batch, np.random.default_rng(0))
-    win.arrays[REF][:] = 0  # (mapped once, as a reused window is)
-    t = {"raw": 0.0, "hdf5": 0.0, "gather": 0.0}
-    gathered = 0
-    with open(flat, "rb", buffering=0) as fh:
-        for u in np.random.default_rng(0).permutation(plan.num_units):
-            a, b = int(plan.units[u]), int(plan.units[u + 1])
-            n = int(plan.counts[a:b].sum())
-            if win.n + n > cap:
+    mapped = map_fields([r["outputs[layer]"]["outputs.0"]], plan.row_shapes, MapCache())
+    assert mapped is not None, "the field is not stored as plain chunks"
+    bufs = [{REF: np.empty((batch, SHAPE[-1]), np.float32)} for _ in range(2)]
+    turn = iter(range(1 << 62))
+    cum = np.concatenate([[0], np.cumsum(plan.counts)])
+    unit_rows = cum[plan.units[1:]] - cum[plan.units[:-1]]
+    t = {"raw": 0.0, "refs": 0.0, "shuffled": 0.0, "in order": 0.0}
+    buf = bytearray(16 << 20)
+    units = np.random.default_rng(0).permutation(plan.num_units)
+    for _ in range(2):  # (the first pass maps the file's pages: timed is the second)
+        t = dict.fromkeys(t, 0.0)
+        with open(flat, "rb", buffering=0) as fh:
+            for spans, n in window_spans(plan, units, unit_rows, ds.buffer_rows):
                 t0 = time.perf_counter()
-                for _ in bat.feed(win.arrays, win.n):
-                    pass
-                t["gather"] += time.perf_counter() - t0
-                gathered += win.n
-                win.n = 0
-            dst = memoryview(win.arrays[REF][win.n : win.n + n]).cast("B")
-            t0 = time.perf_counter()
-            fh.seek(int(plan.counts[:a].sum()) * row_bytes)
-            fh.readinto(dst)
-            t["raw"] += time.perf_counter() - t0
-            t0 = time.perf_counter()
-            win.add(fields, plan, a, b, n)
-            t["hdf5"] += time.perf_counter() - t0
+                for a, b in spans:
+                    fh.seek(int(cum[a]) * row_bytes)
+                    left = int(cum[b] - cum[a]) * row_bytes
+                    while left > 0:
+                        left -= fh.readinto(memoryview(buf)[: min(left, len(buf))])
+                t1 = time.perf_counter()
+                src = MappedWindow(mapped, plan, spans, False)
+                t2 = time.perf_counter()
+                for key, rng in (("shuffled", np.random.default_rng(0)), ("in order", None)):
+                    t3 = time.perf_counter()
+                    bat = Batcher(batch, rng, lambda: bufs[next(turn) % 2], sort=True)
+                    for _ in bat.feed(src, n):
+                        pass
+                    t[key] += time.perf_counter() - t3
+                t["raw"] += t1 - t0
+                t["refs"] += t2 - t1
     r.close()
     gb = plan.num_rows * row_bytes / 1e9
-    raw, hdf5, gather = gb / t["raw"], gb / t["hdf5"], gathered * row_bytes / 1e9 / max(t["gather"], 1e-9)
-    print(f"where the time goes (one thread, stage by stage, raw read of the same bytes interleaved): raw reads "
-          f"{raw:.2f} GB/s; HDF5 block reads into windows {hdf5:.2f} GB/s ({hdf5 / raw:.2f}x raw); gathering "
-          f"shuffled batches {gather:.2f} GB/s ({gather / raw:.2f}x raw). One core: the stages add up to "
-          f"{1 / (1 / hdf5 + 1 / gather) / raw:.2f}x raw; with a core each (the reading thread and the loop "
-          f"overlap) the slower stage bounds it: {min(hdf5, gather) / raw:.2f}x raw")
+    rate = {k: gb / max(v, 1e-9) for k, v in t.items()}
+    print(f"where the time goes (one thread, stage by stage, second pass over the mapped file, raw read of the "
+          f"same bytes interleaved): raw reads {rate['raw']:.2f} GB/s; window row references + MADV_WILLNEED "
+          f"{rate['refs']:.1f} GB/s ({rate['refs'] / rate['raw']:.1f}x raw); gathering shuffled batches "
+          f"{rate['shuffled']:.2f} GB/s ({rate['shuffled'] / rate['raw']:.2f}x raw); gathering the same rows in "
+          f"order {rate['in order']:.2f} GB/s ({rate['in order'] / rate['raw']:.2f}x raw)")
 
 
 def main() -> None:
@@ -184,8 +208,11 @@ def main() -> None:
         shuf = RecordDataset(run, REF, shuffle=True, batch_rows=a.batch)
         cases: list[tuple[str, Callable[[], Iterable[torch.Tensor]]]] = [
             ("raw sequential read (limit)", lambda: raw_read(flat, row_bytes)),
+            ("raw read into batches kept while used", lambda: raw_batches(flat, row_bytes, a.batch, 4)),
             ("RecordDataset sequential", lambda: dataset_batches(seq)),
             ("RecordDataset shuffled", lambda: dataset_batches(shuf)),
+            ("RecordDataset shuffled, new dataset", lambda: dataset_batches(
+                RecordDataset(run, REF, shuffle=True, batch_rows=a.batch))),
             ("np.memmap sequential", lambda: memmap_batches(flat, rows, a.batch, False)),
             ("np.memmap shuffled rows", lambda: memmap_batches(flat, rows, a.batch, True)),
             ("datasets Arrow, torch format, sequential", lambda: arrow_batches(apath, a.batch, False)),
@@ -203,6 +230,8 @@ def main() -> None:
             print(f"{name:42s} {rps:12,.0f} {gbs:7.2f} {gbs / raw:6.2f} {got:10d}")
         best = results["RecordDataset shuffled"][1]
         arr = results["datasets Arrow, torch format, shuffled"][1]
+        kept = results["raw read into batches kept while used"][1]
+        print(f"shuffled RecordDataset / raw read into kept batches: {best / kept:.2f}")
         print(f"shuffled RecordDataset / raw sequential: {best / raw:.2f} (target >= 0.8); "
               f"/ shuffled Arrow: {best / arr:.1f}x; / sequential Arrow: "
               f"{best / results['datasets Arrow, torch format, sequential'][1]:.1f}x")
