@@ -38,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import re
 import shutil
 import uuid
 from dataclasses import dataclass, field
@@ -361,6 +362,8 @@ def mlflow_experiment(mlflow_server: str) -> tuple[Any, str, str]:
 
 #: hookline's own sync record in the MLflow run (no file of the run: its digests of what it uploaded)
 SYNC_RECORD = "hookline/sync.json"
+#: The summary page the final upload draws (`storage/mlflow/runsummary.py`), per rank or not.
+SUMMARY_PAGE = re.compile(r"hookline/summary(\.rank\d+)?\.html")
 
 
 def _artifacts(client: Any, rid: str, dest: Path) -> dict[str, str]:
@@ -376,6 +379,10 @@ def _artifacts(client: Any, rid: str, dest: Path) -> dict[str, str]:
                 if a.path == SYNC_RECORD:
                     files = json.loads(got.read_text())["files"]
                     out[a.path] = json.dumps({k: v.split(":", 1)[1] for k, v in files.items()})
+                elif SUMMARY_PAGE.fullmatch(a.path):  # (drawn by hookline from the run's files)
+                    data = got.read_bytes()
+                    page = data.startswith(b"<!DOCTYPE html><html>")
+                    out[a.path] = ("html:" if page else "") + hashlib.sha256(data).hexdigest()
                 else:
                     out[a.path] = hashlib.sha256(got.read_bytes()).hexdigest()
     return out
@@ -390,8 +397,13 @@ def judge_uploads(case: Case, bases: Bases, uploaded: dict[str, str], damaged: s
     for apath, sha in sorted(uploaded.items()):
         if apath == SYNC_RECORD:  # (it must list what the run holds, by digest)
             listed = json.loads(sha)
-            if listed != {a: uploaded.get(a) for a in listed}:
+            held = {a: uploaded[a].removeprefix("html:") if a in uploaded else None for a in listed}
+            if listed != held:
                 fails.append(f"[sync-record] sync: {apath} lists {sorted(listed)}, not what the run holds")
+            continue
+        if SUMMARY_PAGE.fullmatch(apath):  # (the run page's summary: an HTML page, not a run file)
+            if not sha.startswith("html:") or sha[5:] in outside:
+                fails.append(f"[outside] sync: artifact {apath!r} is not a summary page hookline drew")
             continue
         if sha in outside:
             fails.append(f"[outside] sync: artifact {apath!r} holds the sentinel's {outside[sha]!r}")
