@@ -210,3 +210,15 @@ def sqlite_tracking_uri(_mlflow_template_db: Path, tmp_path: Path, monkeypatch: 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
     monkeypatch.chdir(tmp_path)
     return uri
+
+
+@pytest.fixture(autouse=True)
+def _no_leaked_malloc_settings() -> Iterator[None]:
+    """dask.distributed's Nanny sets ``MALLOC_TRIM_THRESHOLD_`` in the parent's ``os.environ``
+    when a LocalCluster starts; left there, every later subprocess of the suite runs with glibc's
+    dynamic mmap threshold off (the memory tests measure other allocations, and run slower)."""
+    before = {k: v for k, v in os.environ.items() if k.startswith("MALLOC_")}
+    yield
+    for k in [k for k in os.environ if k.startswith("MALLOC_") and k not in before]:
+        del os.environ[k]
+    os.environ.update(before)
