@@ -212,13 +212,17 @@ def sqlite_tracking_uri(_mlflow_template_db: Path, tmp_path: Path, monkeypatch: 
     return uri
 
 
+# glibc settings as the suite found them (a LocalCluster's Nanny adds MALLOC_TRIM_THRESHOLD_ to
+# os.environ, possibly in a module-scoped fixture that starts before a test's own fixtures)
+_MALLOC_AT_START = {k: v for k, v in os.environ.items() if k.startswith("MALLOC_")}
+
+
 @pytest.fixture(autouse=True)
 def _no_leaked_malloc_settings() -> Iterator[None]:
-    """dask.distributed's Nanny sets ``MALLOC_TRIM_THRESHOLD_`` in the parent's ``os.environ``
-    when a LocalCluster starts; left there, every later subprocess of the suite runs with glibc's
-    dynamic mmap threshold off (the memory tests measure other allocations, and run slower)."""
-    before = {k: v for k, v in os.environ.items() if k.startswith("MALLOC_")}
+    """Puts ``MALLOC_*`` back as the suite found them after every test: left in ``os.environ``,
+    dask.distributed's ``MALLOC_TRIM_THRESHOLD_`` turns glibc's dynamic mmap threshold off in
+    every later subprocess of the suite (the memory tests then measure other allocations)."""
     yield
-    for k in [k for k in os.environ if k.startswith("MALLOC_") and k not in before]:
+    for k in [k for k in os.environ if k.startswith("MALLOC_") and k not in _MALLOC_AT_START]:
         del os.environ[k]
-    os.environ.update(before)
+    os.environ.update(_MALLOC_AT_START)
