@@ -154,18 +154,30 @@ class MlflowServer:
 
 
 @pytest.fixture(scope="session")
-def mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """Tracking URI of a real ``mlflow server`` shared by the whole session."""
+def shared_mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MlflowServer]:
+    """A real ``mlflow server`` shared by the whole session (its access log in ``root``).
+
+    Tests that count requests in its log read the lines after those already there
+    (tests run one at a time); only tests that kill or restart a server start their own
+    (:func:`mlflow_server_factory`): each start costs ~10-20 s of imports on 2 cores.
+    """
     server = MlflowServer(tmp_path_factory.mktemp("mlflow-server")).start()
     try:
-        yield server.uri
+        yield server
     finally:
         server.stop()
 
 
+@pytest.fixture(scope="session")
+def mlflow_server(shared_mlflow_server: MlflowServer) -> str:
+    """Tracking URI of the session's shared ``mlflow server``."""
+    return shared_mlflow_server.uri
+
+
 @pytest.fixture
 def mlflow_server_factory(tmp_path: Path) -> Iterator[Callable[..., MlflowServer]]:
-    """Start dedicated servers (``start(root=None)``); all are stopped at teardown."""
+    """Start dedicated servers (``start(root=None)``); all are stopped at teardown. For tests that
+    kill, restart or break a server; others use :func:`shared_mlflow_server`."""
     started: list[MlflowServer] = []
 
     def start(root: Path | None = None) -> MlflowServer:

@@ -746,13 +746,13 @@ def _requests(log: Path, since: int) -> list[str]:
 
 
 def test_a_repeat_sync_reads_the_sync_record_in_one_request_without_a_progress_bar(
-        mlflow_server_factory, tmp_path, capfd):
+        shared_mlflow_server, tmp_path, capfd):
     """The sync record is read straight from the run's artifact repository: one GET, no
     progress bar on stderr (MLflow's download_artifacts looks the run up again, lists the path,
     searches the run's logged models and draws a bar)."""
     from mlflow import MlflowClient
 
-    server = mlflow_server_factory()
+    server = shared_mlflow_server
     client = MlflowClient(server.uri)
     rid = client.create_run("0").info.run_id
     built = build_run(tmp_path / "run", SPECS, records=3)
@@ -775,7 +775,7 @@ FIVE = [HandleSpec(f"outputs[blocks.{i}]", LINEAR, "outputs.0") for i in range(3
     [HandleSpec(f"grads[blocks.{i}]", LINEAR, "grad_out.0", category="backward_hook") for i in range(2)]
 
 
-def test_a_final_pass_fetches_its_run_once_and_sends_no_separate_probe(mlflow_server_factory, tmp_path):
+def test_a_final_pass_fetches_its_run_once_and_sends_no_separate_probe(shared_mlflow_server, tmp_path):
     """The pass's get_run is its reachability probe, and the uploads go straight to the run's
     artifact repository (MLflow's log_artifact would fetch the run again): one runs/get, one PUT
     per file, summary page, manifest and sync record, one log-batch for a small pass. The handle
@@ -784,7 +784,7 @@ def test_a_final_pass_fetches_its_run_once_and_sends_no_separate_probe(mlflow_se
     it is answered)."""
     from mlflow import MlflowClient
 
-    server = mlflow_server_factory()
+    server = shared_mlflow_server
     rid = MlflowClient(server.uri).create_run("0").info.run_id
     built = build_run(tmp_path / "run", FIVE, records=3)
     log = server.root / "server.log"
@@ -803,12 +803,12 @@ def test_a_final_pass_fetches_its_run_once_and_sends_no_separate_probe(mlflow_se
     assert puts[-1].endswith("/hookline/sync.json"), got
 
 
-def test_opening_a_run_from_mlflow_probes_with_its_get_run(mlflow_server_factory, tmp_path):
+def test_opening_a_run_from_mlflow_probes_with_its_get_run(shared_mlflow_server, tmp_path):
     """``mlflow_source`` (``show runs:/ID``) fetches its run with the reachability probe itself:
     one runs/get, no separate experiments/get before it."""
     from mlflow import MlflowClient
 
-    server = mlflow_server_factory()
+    server = shared_mlflow_server
     rid = MlflowClient(server.uri).create_run("0").info.run_id
     built = build_run(tmp_path / "run", SPECS, records=3)
     assert sync(built.path, rid, tracking_uri=server.uri).ok
@@ -820,7 +820,7 @@ def test_opening_a_run_from_mlflow_probes_with_its_get_run(mlflow_server_factory
 
 
 @pytest.mark.parametrize("fresh", [True, False])
-def test_a_prefetched_run_is_the_passs_only_get_run_while_fresh(mlflow_server_factory, tmp_path, monkeypatch, fresh):
+def test_a_prefetched_run_is_the_passs_only_get_run_while_fresh(shared_mlflow_server, tmp_path, monkeypatch, fresh):
     """``prefetch()`` (Recorder.close() calls it before closing its files) sends the pass's
     ``get_run`` ahead: the pass then sends none of its own. A prefetch older than
     ``PREFETCH_FRESH_S`` is not used: the pass fetches the run again."""
@@ -830,7 +830,7 @@ def test_a_prefetched_run_is_the_passs_only_get_run_while_fresh(mlflow_server_fa
 
     if not fresh:
         monkeypatch.setattr(upload, "PREFETCH_FRESH_S", 0.0)
-    server = mlflow_server_factory()
+    server = shared_mlflow_server
     rid = MlflowClient(server.uri).create_run("0").info.run_id
     built = build_run(tmp_path / "run", SPECS, records=3)
     log = server.root / "server.log"
@@ -845,7 +845,7 @@ def test_a_prefetched_run_is_the_passs_only_get_run_while_fresh(mlflow_server_fa
     adapter.close()
 
 
-def test_recorder_close_fetches_its_run_once_before_its_files_are_closed(mlflow_server_factory, tmp_path,
+def test_recorder_close_fetches_its_run_once_before_its_files_are_closed(shared_mlflow_server, tmp_path,
                                                                            monkeypatch):
     """Recorder.close() starts the final pass's get_run before it closes its files (the server
     answers it meanwhile); the pass uses that one."""
@@ -855,7 +855,7 @@ def test_recorder_close_fetches_its_run_once_before_its_files_are_closed(mlflow_
     from hookline.storage.writer import RunWriter
     from hookline.tracker import HookManager, Recorder, select
 
-    server = mlflow_server_factory()
+    server = shared_mlflow_server
     rid = MlflowClient(server.uri).create_run("0").info.run_id
     log = server.root / "server.log"
     seen: list[list[str]] = []

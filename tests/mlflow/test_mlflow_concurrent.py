@@ -34,7 +34,7 @@ def _record(client, run_id: str, dst: Path) -> dict[str, str]:
 
 
 def test_a_file_the_server_fails_to_store_mid_pass_is_reported_and_uploaded_by_the_next_sync(
-        mlflow_server_factory, tmp_path, monkeypatch):
+        shared_mlflow_server, tmp_path, monkeypatch):
     from mlflow import MlflowClient
 
     # MLflow would retry the 500 for minutes: one quick retry instead. Not none: after the 500 the
@@ -43,7 +43,7 @@ def test_a_file_the_server_fails_to_store_mid_pass_is_reported_and_uploaded_by_t
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "0")
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_BACKOFF_JITTER", "0")
-    server = mlflow_server_factory()
+    server = shared_mlflow_server
     client = MlflowClient(server.uri)
     run = client.create_run("0")
     rid = run.info.run_id
