@@ -26,6 +26,7 @@ class WriterContext:
         writeback: writeback shared by the open parts (writer thread).
         identity: the run (attributes of every new part).
         tools: what the open parts share (assembly buffer, budget release, the current file).
+        priority: the scheduling policy of the background threads (:mod:`..priority`).
         sealed_lock: guards every handle's :attr:`~.WriterHandle.sealed` list: the writer thread
             appends sealed parts and the compactor replaces runs of them with merged ones.
     """
@@ -37,4 +38,5 @@ class WriterContext:
     writeback: Writeback
     identity: RunIdentity
     tools: PartTools
+    priority: str = "normal"
     sealed_lock: threading.Lock = field(default_factory=threading.Lock)

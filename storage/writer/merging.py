@@ -17,6 +17,7 @@ from .._fs import fsync_dir, make_folder, publish
 from .._h5write import HandleFileWriter
 from .._merge import merge_files
 from .._parts import PartEntry
+from ..priority import lower_this_thread
 from ..format import final_name, merge_output_name, segment_name
 from .context import WriterContext
 from .handle import WriterHandle
@@ -97,6 +98,7 @@ class Compactor:
         return e
 
     def _loop(self) -> None:
+        lower_this_thread(self.ctx.priority)
         while True:
             with self._cond:
                 while not self._wanted and not self._stop:

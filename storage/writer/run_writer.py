@@ -31,6 +31,7 @@ from ..errors import HookTypeError, InvalidArgumentError, StorageError, UnknownN
 from ..format import manifest_name, rank_suffix
 from ..keys import handle_key
 from ..lifecycle import weak_closer
+from ..priority import check_priority
 from ..live import AUTOFLUSH_S
 from .checks import AUTOFLUSH_FIX, FieldValue, check_handle_names, check_seconds, check_steps, checked_fields, \
     json_meta, meta_conflicts
@@ -85,6 +86,9 @@ class RunWriter:
             computed on the writer thread from the memory handed to HDF5 (docs/format.md, "Chunk
             hashes"; ``verify`` checks them). False: live segments carry none (a merged file,
             at close or by compaction, always does).
+        writer_priority: the scheduling priority of the writer's background threads (Linux):
+            ``"normal"`` (the caller's), ``"nice"`` (nice 19) or ``"idle"`` (``SCHED_IDLE``);
+            see docs/internals/capture.md, "The writer's priority". Elsewhere always normal.
 
     Example:
         >>> w = RunWriter("runs/a", max_buffer_mb=256)
@@ -111,11 +115,13 @@ class RunWriter:
         writeback_mb: float | None = 32,
         max_open_files: int | None = None,
         checksums: bool = True,
+        writer_priority: str = "normal",
     ) -> None:
         if policy not in _POLICIES or not isinstance(checksums, bool):
             raise InvalidArgumentError(f"policy must be 'block' or 'drop' and checksums a bool, got policy={policy!r}, "
                                        f"checksums={checksums!r:.40}")
         self.budget = Budget(max_buffer_mb)
+        writer_priority = check_priority(writer_priority)
         _check_ranks(rank, world_size)
         if writeback_mb is not None and (
             isinstance(writeback_mb, bool) or not isinstance(writeback_mb, (int, float)) or writeback_mb < 0
@@ -159,7 +165,7 @@ class RunWriter:
         ctx = WriterContext(self.run_dir, fsync, compression_rules, writeback_bytes,
                             Writeback(writeback_bytes), self._identity,
                             PartTools(self._queue.release, FileSlots(self.max_open_files, self._stats),
-                                      root=self.run_dir, hashes=checksums))
+                                      root=self.run_dir, hashes=checksums), writer_priority)
         manifest = ManifestWriter(manifest_path, self._identity, fsync)
         self._thread = WriterThread(ctx, self._queue, self._handles, self._stats, self.budget, manifest,
                                     autoflush_s=autoflush_s, merge_on_close=merge_on_close)

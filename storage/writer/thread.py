@@ -18,6 +18,7 @@ import numpy as np
 from .._fs import fsync_dir
 from .._parts import discover_files
 from ..budget import Budget
+from ..priority import lower_this_thread
 from .context import WriterContext
 from .failure import background_error
 from .handle import WriterHandle
@@ -85,6 +86,7 @@ class WriterThread:
 
     # --- the loop ---------------------------------------------------------------------------------
     def _run(self) -> None:
+        lower_this_thread(self.ctx.priority)  # (threads it starts inherit it)
         try:
             with np.errstate(all="ignore"):  # norms of inf/NaN data: no warnings (thread-local)
                 self._loop()

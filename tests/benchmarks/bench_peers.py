@@ -135,9 +135,12 @@ class Variant:
 
 
 class HooklineVariant(Variant):
+    #: extra Recorder arguments (bench_contention.py sets the writer's priority)
+    recorder_kw: dict = {}
+
     def arm(self, model, x, train, tmp):
         self.step = make_step(model, x, train)
-        self.rec = Recorder(tmp / "hookline", every=1)
+        self.rec = Recorder(tmp / "hookline", every=1, **self.recorder_kw)
         self.mgr = HookManager()
         mods = modules(model)
         self.mgr.register_forward_hook(self.rec.outputs, **mods)
@@ -273,6 +276,31 @@ def captured_bytes(model: nn.Module, x: torch.Tensor, train: bool) -> int:
     return n
 
 
+def interleave(variants: list[Variant], rounds: int, steps: int, clock: Callable[[], float] = time.process_time,
+               before_round: Callable[[], None] | None = None) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """Warm every variant up with one step, then time ``steps`` steps of each in ``rounds``
+    rounds, in a shuffled order per round. Returns per-round seconds per step: wall, ``clock``."""
+    for v in variants:  # warm-up: allocator, lazy imports, first HDF5 files
+        v.run(0)
+        v.end_round()
+    wall: dict[str, list[float]] = {v.name: [] for v in variants}
+    cpu: dict[str, list[float]] = {v.name: [] for v in variants}
+    i = 1
+    for _ in range(rounds):
+        if before_round is not None:
+            before_round()
+        random.shuffle(variants)
+        for v in variants:
+            w0, c0 = time.perf_counter(), clock()
+            for _ in range(steps):
+                v.run(i)
+                i += 1
+            wall[v.name].append((time.perf_counter() - w0) / steps)
+            cpu[v.name].append((clock() - c0) / steps)
+            v.end_round()
+    return wall, cpu
+
+
 def measure(model_name: str, train: bool, names: list[str], rounds: int, steps: int) -> None:
     model, x = build(model_name)
     if not train:
@@ -292,22 +320,7 @@ def measure(model_name: str, train: bool, names: list[str], rounds: int, steps: 
                 print(f"  {n}: not installed ({e}); skipped")
                 continue
             variants.append(v)
-        for v in variants:  # warm-up: allocator, lazy imports, first HDF5 files
-            v.run(0)
-            v.end_round()
-        wall: dict[str, list[float]] = {v.name: [] for v in variants}
-        cpu: dict[str, list[float]] = {v.name: [] for v in variants}
-        i = 1
-        for _ in range(rounds):
-            random.shuffle(variants)
-            for v in variants:
-                w0, c0 = time.perf_counter(), time.process_time()
-                for _ in range(steps):
-                    v.run(i)
-                    i += 1
-                wall[v.name].append((time.perf_counter() - w0) / steps)
-                cpu[v.name].append((time.process_time() - c0) / steps)
-                v.end_round()
+        wall, cpu = interleave(variants, rounds, steps)
         t0 = time.perf_counter()
         for v in variants:
             v.close()

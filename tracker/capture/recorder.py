@@ -19,6 +19,7 @@ from hookline.storage.format import manifest_name
 from hookline.storage.lifecycle import weak_closer
 from hookline.storage.live import AUTOFLUSH_S
 from hookline.storage.mlflow.client import budget_seconds
+from hookline.storage.priority import WRITER_PRIORITY, check_priority
 from hookline.storage.writer import RunWriter, WriterStats
 
 from .bindings import HandleBindings
@@ -100,6 +101,10 @@ class Recorder:
             float32 (float64 stays float64), without a device synchronisation in hooks; the
             steps whose scaler found inf/NaN are listed in the run metadata
             (``found_inf_steps``). Expects one ``scaler.update()`` per recorder step.
+        writer_priority: the scheduling priority of the writer's background threads on Linux:
+            ``"nice"`` (default: nice 19, so that they run in the gaps of torch's parallel
+            regions instead of stalling them), ``"idle"`` (``SCHED_IDLE``) or ``"normal"``
+            (docs/internals/capture.md, "The writer's priority").
     """
 
     def __init__(
@@ -122,15 +127,14 @@ class Recorder:
         grad_scaler: torch.amp.GradScaler | None = None,
         mlflow_update_s: float | None = 60.0,
         autoflush_s: float | None = AUTOFLUSH_S,
+        writer_priority: str = WRITER_PRIORITY,
     ) -> None:
         self.run_dir = check_run_dir(run_dir)
         self.every, self.steps = every, steps = check_sampling(every, steps)
         check_meta(meta, resume)
         update_s, autoflush_s = check_intervals(mlflow_update_s, autoflush_s)
-        self.grad_scaler = check_scaler(grad_scaler)
-        if grad_scaler is not None and meta and _INF_KEY in meta:
-            raise InvalidArgumentError(
-                f"meta key {_INF_KEY!r} is written by the recorder (grad_scaler=...); rename it")
+        writer_priority = check_priority(writer_priority)
+        self.grad_scaler = check_scaler(grad_scaler, meta, _INF_KEY)
         budget = Budget(max_buffer_mb)
         for arg, v in (("mlflow_run_id", mlflow_run_id), ("tracking_uri", tracking_uri)):
             if v is not None and not isinstance(v, str):
@@ -170,6 +174,7 @@ class Recorder:
             world_size=world_size,
             meta=run_meta,
             autoflush_s=autoflush_s,
+            writer_priority=writer_priority,
         )
         self.rank, self.world_size = rank, world_size
         self._live = LiveUpdates(self._mlflow, self.run_dir / manifest_name(rank, world_size), update_s)

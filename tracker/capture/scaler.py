@@ -22,23 +22,27 @@ from typing import Any, Callable
 
 import torch
 
-from hookline.storage.errors import HookTypeError
+from hookline.storage.errors import HookTypeError, InvalidArgumentError
 from hookline.tracker.hooks.pytree import Leaves
 
 __all__ = ["GradUnscaler", "InfSteps", "check_scaler"]
 
 
-def check_scaler(scaler: Any) -> torch.amp.GradScaler | None:
-    """``scaler`` if it is a ``torch.amp.GradScaler`` (or None).
+def check_scaler(scaler: Any, meta: Any = None, inf_key: str = "found_inf_steps") -> torch.amp.GradScaler | None:
+    """``scaler`` if it is a ``torch.amp.GradScaler`` (or None), and ``meta`` free of the key
+    the recorder writes with one.
 
     Raises:
         HookTypeError: anything else.
+        InvalidArgumentError: ``meta`` holds ``inf_key`` while a scaler is given.
     """
     if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
         raise HookTypeError(
             f"grad_scaler must be a torch.amp.GradScaler (the one whose scale() the loss goes "
             f"through), got {type(scaler).__name__} {scaler!r:.60}"
         )
+    if scaler is not None and meta and inf_key in meta:
+        raise InvalidArgumentError(f"meta key {inf_key!r} is written by the recorder (grad_scaler=...); rename it")
     return scaler
 
 
