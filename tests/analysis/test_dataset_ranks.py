@@ -3,10 +3,8 @@ read every row of an epoch exactly once between them (SPEC §14)."""
 
 from __future__ import annotations
 
-import torch
-import torch.multiprocessing as mp
-
 from _dataset_support import A, B, expected_keys, rank_worker, write_run
+from _launch import spawn
 from hookline.storage import RecordDataset
 
 
@@ -14,23 +12,8 @@ def test_two_ranks_split_an_epoch_exactly_once(tmp_path):
     run = write_run(tmp_path / "run")
     out = tmp_path / "out"
     out.mkdir()
-    ctx = mp.spawn(rank_worker, args=(2, str(tmp_path / "init"), str(run), str(out)), nprocs=2, join=False)
-    exits = []
-    while True:
-        try:
-            if ctx.join(timeout=150):
-                break
-        except mp.ProcessExitedException as e:
-            # (gloo may abort a process while tearing the group down, after it saved its result;
-            # as in tests/distributed/test_ddp.py, every result is checked below)
-            exits.append(str(e))
-            if all(not p.is_alive() for p in ctx.processes):
-                break
-    missing = [r for r in range(2) if not (out / f"rank{r}.pt").exists()]
-    assert not missing, f"ranks {missing} died before reporting: {exits}"
-    results = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    results = spawn(rank_worker, 2, out, 2, str(tmp_path / "init"), str(run), str(out), timeout=150)
     for r, res in enumerate(results):
-        assert "error" not in res, res["error"]
         assert res["aligned"] and res["shard"] == (2 * r, 4)  # rank r's workers: shards 2r, 2r+1 of 4
     k0, k1 = results[0]["keys"], results[1]["keys"]
     assert k0 and k1 and not set(k0) & set(k1)
