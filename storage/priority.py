@@ -31,7 +31,8 @@ __all__ = ["PRIORITIES", "WRITER_PRIORITY", "check_priority", "lower_this_thread
 
 PRIORITIES = ("normal", "nice")
 
-#: The Recorder's default (the measurements behind it: docs/performance.md, "The writer's priority").
+#: The Recorder's default (measured: docs/performance.md, "Contention: the GIL, the cores and the
+#: writer's priority").
 WRITER_PRIORITY = "nice"
 
 #: The nice value of ``"nice"`` (the lowest priority of the normal policy).

@@ -17,8 +17,8 @@ from .._fs import fsync_dir, make_folder, publish
 from .._h5write import HandleFileWriter
 from .._merge import merge_files
 from .._parts import PartEntry
-from ..priority import lower_this_thread
 from ..format import final_name, merge_output_name, segment_name
+from ..priority import lower_this_thread
 from .context import WriterContext
 from .handle import WriterHandle
 

@@ -87,8 +87,9 @@ class RunWriter:
             hashes"; ``verify`` checks them). False: live segments carry none (a merged file,
             at close or by compaction, always does).
         writer_priority: the scheduling priority of the writer's background threads (Linux):
-            ``"normal"`` (the caller's), ``"nice"`` (nice 19) or ``"idle"`` (``SCHED_IDLE``);
-            see docs/internals/capture.md, "The writer's priority". Elsewhere always normal.
+            ``"normal"`` (the caller's, the default here) or ``"nice"`` (nice 19, the Recorder's
+            default); see docs/internals/capture.md, "The writer's priority". Elsewhere always
+            normal.
 
     Example:
         >>> w = RunWriter("runs/a", max_buffer_mb=256)

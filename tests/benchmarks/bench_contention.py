@@ -55,8 +55,8 @@ import torch
 import torch.nn as nn
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_peers import (INPUTS, HooklineVariant, Variant, build as build_peer, interleave,  # noqa: E402
-                         make_step, modules)
+from bench_peers import (INPUTS, HooklineVariant, Variant, _burn, build as build_peer,  # noqa: E402
+                         interleave, make_step, modules)
 
 
 
@@ -266,11 +266,6 @@ def measure(model_name: str, threads: str, names: list[str], rounds: int, steps:
                       f"training thread's time ({total} samples){of_added}")
         for v in vs:
             v.close()
-
-
-def _burn() -> None:
-    while True:
-        pass
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -103,8 +103,8 @@ class Recorder:
             (``found_inf_steps``). Expects one ``scaler.update()`` per recorder step.
         writer_priority: the scheduling priority of the writer's background threads on Linux:
             ``"nice"`` (default: nice 19, so that they run in the gaps of torch's parallel
-            regions instead of stalling them), ``"idle"`` (``SCHED_IDLE``) or ``"normal"``
-            (docs/internals/capture.md, "The writer's priority").
+            regions instead of stalling them) or ``"normal"`` (the caller's priority;
+            docs/internals/capture.md, "The writer's priority").
     """
 
     def __init__(
