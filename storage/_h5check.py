@@ -24,7 +24,7 @@ from .errors import FormatError
 from .format import INDEX_GROUP
 
 __all__ = ["Structure", "check_structure", "checked_structure", "records_end", "root_attrs", "damaged", "attr_str",
-           "HINT", "MAX_CHUNK_BYTES"]
+           "filter_names", "known", "remember", "same_structure", "HINT", "MAX_CHUNK_BYTES", "CHECK_WRITTEN_ENV"]
 
 #: HDF5 compression filters a part may use (one per dataset), by filter id: name and the largest
 #: factor by which it can shrink data (deflate 1032, lzf ~88, lz4 ~255, zstd ~32768, Blosc2 ~17500
@@ -63,6 +63,16 @@ class Structure:
         #: What readers derived from it and checked (kept with the structure: a file whose
         #: structure is reused is not checked again), by the reader's name for it.
         self.memo: dict[str, Any] = {}
+
+    def add(self, name: str, attrs: dict[str, Any], shape: tuple[int, ...] | None = None,
+            dtype: np.dtype | None = None, filters: list[str] | None = None) -> None:
+        """Note an object as :func:`check_structure` would find it: a dataset when ``shape`` is
+        given, else a group (what a writer wrote, see :func:`remember`)."""
+        if shape is not None:
+            self.shapes[name] = tuple(shape)
+            self.dtypes[name] = np.dtype(dtype)
+            self.filters[name] = list(filters or [])
+        self.attrs[name] = attrs
 
 
 def check_structure(f: h5py.File | h5py.h5f.FileID, where: str) -> Structure:
@@ -151,6 +161,68 @@ def checked_structure(f: h5py.File | h5py.h5f.FileID, where: str) -> Structure:
                 while len(_CHECKED) > _CHECKED_MAX:
                     _CHECKED.popitem(last=False)
     return st
+
+
+#: Set (to anything but "" or "0") to walk every file a writer :func:`remember`\ s as well and
+#: compare: the test suite sets it, so every file written in a test checks the writer's account.
+CHECK_WRITTEN_ENV = "HOOKLINE_CHECK_WRITTEN"
+
+
+def remember(path: Path, st: Structure | None) -> None:
+    """Take ``st`` as the checked structure of the file at ``path``, which this process has just
+    written and closed and will not change (after its last rename: a rename changes the file's
+    identity). The writer knows what it wrote, so its own parts are not walked when it merges
+    them or a reader opens them in the same process (the walk was half of merging a small
+    part). Nothing is remembered for ``st`` None (a file the writer could not describe).
+
+    Raises:
+        AssertionError: with :data:`CHECK_WRITTEN_ENV` set, the walk finds another structure.
+    """
+    if st is None:
+        return
+    ident = _identity(os.stat(path))
+    if os.environ.get(CHECK_WRITTEN_ENV, "") not in ("", "0"):
+        with h5py.File(path, "r") as f:
+            walked = check_structure(f, str(path))
+        diff = same_structure(walked, st)
+        assert diff is None, f"{str(path)!r}: the writer's account of the file differs from its walk: {diff}"
+    with _CHECKED_LOCK:
+        _CHECKED[ident] = st
+        _CHECKED.move_to_end(ident)
+        while len(_CHECKED) > _CHECKED_MAX:
+            _CHECKED.popitem(last=False)
+
+
+def known(path: Path) -> Structure | None:
+    """The structure remembered or walked for the file at ``path`` as it is now, or None."""
+    try:
+        return _cached(_identity(os.stat(path)))
+    except OSError:
+        return None
+
+
+def same_structure(a: Structure, b: Structure) -> str | None:
+    """None when ``a`` and ``b`` describe the same objects, types, filters and attribute values
+    (types included), else what differs first."""
+    for what in ("shapes", "dtypes", "filters"):
+        x, y = getattr(a, what), getattr(b, what)
+        if x != y:
+            keys = sorted(set(x) | set(y))
+            k = next(k for k in keys if x.get(k) != y.get(k))
+            return f"{what}[{k!r}]: {x.get(k)!r} != {y.get(k)!r}"
+    if set(a.attrs) != set(b.attrs):
+        return f"objects {sorted(a.attrs)} != {sorted(b.attrs)}"
+    for obj, xa in a.attrs.items():
+        ya = b.attrs[obj]
+        if set(xa) != set(ya):
+            return f"attributes of {obj!r}: {sorted(xa)} != {sorted(ya)}"
+        for k, x in xa.items():
+            y = ya[k]
+            if type(x) is not type(y) or (isinstance(x, np.ndarray) and (x.dtype != y.dtype or x.shape != y.shape)):
+                return f"attribute {k!r} of {obj!r}: {type(x).__name__} {x!r} != {type(y).__name__} {y!r}"
+            if not np.array_equal(np.asarray(x), np.asarray(y)):
+                return f"attribute {k!r} of {obj!r}: {x!r} != {y!r}"
+    return None
 
 
 def records_end(path: Path) -> int:
@@ -270,6 +342,13 @@ def _check_dataset(oid: h5d.DatasetID, name: str, size: int, where: str) -> tupl
         raise damaged(where, f"dataset {name!r} declares chunks {dcpl.get_chunk()} over "
                               f"{MAX_CHUNK_BYTES >> 20} MiB")
     return shape, [_COMPRESSORS[c][0] if c in _COMPRESSORS else _TRANSFORMS[c] for c in codes]
+
+
+def filter_names(dcpl: h5py.h5p.PropDCID) -> list[str]:
+    """The names :func:`check_structure` gives the filters of a dataset creation list (a writer
+    noting what it wrote: only filters it may use)."""
+    codes = [dcpl.get_filter(i)[0] for i in range(dcpl.get_nfilters())]
+    return [_COMPRESSORS[c][0] if c in _COMPRESSORS else _TRANSFORMS[c] for c in codes]
 
 
 def attr_str(a: Any) -> str:

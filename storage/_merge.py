@@ -7,22 +7,31 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, NamedTuple
 
 import numpy as np
 
 from ._fs import WRITEBACK_BYTES, Writeback
+from ._h5check import Structure, remember
 from ._h5read import Part, PartField, open_part
 from ._h5write import FieldOut, FieldSpec, HandleFileWriter
 from .errors import FormatError
 
-__all__ = ["COPY_BLOCK_BYTES", "MERGE_MAX_FILES", "merge_files", "merge_parts", "open_parts"]
+__all__ = ["COPY_BLOCK_BYTES", "MERGE_MAX_FILES", "Merged", "merge_files", "merge_parts", "open_parts"]
 
 #: Bytes per read block when copying (merge): bounds merge memory.
 COPY_BLOCK_BYTES = 64 << 20
 #: Most files one merge opens at once; merging more goes through intermediate files of this many
 #: each (a handle can have hundreds of segments: see RunWriter's max_open_files).
 MERGE_MAX_FILES = 32
+
+
+class Merged(NamedTuple):
+    """What a merge wrote: its records, and the new file's structure (to
+    :func:`~._h5check.remember` once the file has its final name)."""
+
+    records: int
+    structure: Structure | None
 
 
 def open_parts(paths: Iterable[Path]) -> list[Part]:
@@ -41,14 +50,14 @@ def open_parts(paths: Iterable[Path]) -> list[Part]:
 def merge_files(paths: list[Path], out_path: Path, attrs: dict[str, Any],
                 compression_for: Callable[[str], str | None] | None = None, record_start: int = 0,
                 writeback: Writeback | int | None = WRITEBACK_BYTES,
-                mid_path: Callable[[int, int], Path] | None = None) -> int:
+                mid_path: Callable[[int, int], Path] | None = None) -> Merged:
     """:func:`merge_parts` of the complete files ``paths``, with at most :data:`MERGE_MAX_FILES` of
     them open at once. Beyond that, groups are merged first into intermediate files at
     ``mid_path(start, end)`` (name them like merge outputs, :func:`~.format.merge_output_name`,
     so that one left by a crash is recognised as a leftover), which are removed at the end.
 
     Returns:
-        The number of records written.
+        The records written and the output's structure.
     """
     limit = MERGE_MAX_FILES
     if len(paths) <= limit:
@@ -75,7 +84,8 @@ def merge_files(paths: list[Path], out_path: Path, attrs: dict[str, Any],
                 else:
                     mid = mid_path(start, start + n)
                     mids.append(mid)  # before writing: a failed merge's output is removed too
-                    merge_parts(parts, mid, attrs, compression_for, record_start=start, writeback=writeback)
+                    remember(mid, merge_parts(parts, mid, attrs, compression_for, record_start=start,
+                                              writeback=writeback).structure)
                     level.append(mid)
             finally:
                 for p in parts:
@@ -89,7 +99,7 @@ def merge_files(paths: list[Path], out_path: Path, attrs: dict[str, Any],
 
 def merge_parts(parts: list[Part], out_path: Path, attrs: dict[str, Any],
                 compression_for: Callable[[str], str | None] | None = None,
-                record_start: int = 0, writeback: Writeback | int | None = WRITEBACK_BYTES) -> int:
+                record_start: int = 0, writeback: Writeback | int | None = WRITEBACK_BYTES) -> Merged:
     """Copy the records of ``parts`` (in order) into one new complete file at ``out_path``.
 
     Records are renumbered contiguously from ``record_start``. A field is stored ragged in the
@@ -97,7 +107,7 @@ def merge_parts(parts: list[Part], out_path: Path, attrs: dict[str, Any],
     bounded by :data:`COPY_BLOCK_BYTES`.
 
     Returns:
-        The number of records written.
+        The records written and the output's structure.
     """
     w = HandleFileWriter(out_path, attrs, record_start, writeback)
     try:
@@ -120,7 +130,7 @@ def merge_parts(parts: list[Part], out_path: Path, attrs: dict[str, Any],
     except BaseException:
         w.abort()
         raise
-    return w.n_records
+    return Merged(w.n_records, w.structure)
 
 
 def _merged_spec(nm: str, pfs: list[tuple[PartField, int]],

@@ -480,7 +480,7 @@ def _merge_handle(run_dir: Path, good: list[_Checked], final_rel: str, hid: str,
     merged = [run_dir / c.rel for c in good]
     key = entry["key"]
     n = merge_files(merged, tmp, attrs, lambda nm: comp.get(nm),
-                    mid_path=lambda a, b: run_dir / merge_output_name(key, suffix, a, b))
+                    mid_path=lambda a, b: run_dir / merge_output_name(key, suffix, a, b)).records
     fsync_file(tmp)
     check = open_part(tmp)
     try:

@@ -41,6 +41,11 @@ import pytest
 
 _MLFLOW_BIN = Path(sys.executable).with_name("mlflow")
 
+# Every file a writer describes to the structure cache is also walked and compared in tests
+# (storage/_h5check.py, remember): the whole suite checks the writer's account of its files.
+# Set here, before any writer runs, so subprocesses and spawned ranks inherit it.
+os.environ["HOOKLINE_CHECK_WRITTEN"] = "1"
+
 
 @pytest.fixture(autouse=True)
 def _isolate_mlflow_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Callable
 
 from .._fs import fsync_dir, make_folder, publish
+from .._h5check import Structure, known, remember
 from .._h5write import HandleFileWriter
 from .._merge import merge_files
 from .._parts import PartEntry
@@ -50,12 +51,13 @@ def pick_merge(sizes: list[int]) -> tuple[int, int] | None:
     return (i, n)
 
 
-def _merge(ctx: WriterContext, h: WriterHandle, paths: list[Path], out: Path, record_start: int = 0) -> None:
+def _merge(ctx: WriterContext, h: WriterHandle, paths: list[Path], out: Path,
+           record_start: int = 0) -> Structure | None:
     """Copy the records of ``h``'s complete parts ``paths`` (in order) into the new file ``out``,
-    with at most ``MERGE_MAX_FILES`` inputs open at once."""
-    merge_files(paths, out, ctx.identity.file_attrs(h), ctx.compression.for_field, record_start=record_start,
-                writeback=ctx.writeback_bytes,
-                mid_path=lambda a, b: ctx.run_dir / merge_output_name(h.key, h.suffix, a, b))
+    with at most ``MERGE_MAX_FILES`` inputs open at once; returns its structure."""
+    return merge_files(paths, out, ctx.identity.file_attrs(h), ctx.compression.for_field,
+                       record_start=record_start, writeback=ctx.writeback_bytes,
+                       mid_path=lambda a, b: ctx.run_dir / merge_output_name(h.key, h.suffix, a, b)).structure
 
 
 class Compactor:
@@ -130,8 +132,9 @@ class Compactor:
         name = segment_name(h.key, h.suffix, start, end)
         out = ctx.run_dir / name
         tmp = ctx.run_dir / merge_output_name(h.key, h.suffix, start, end)
-        _merge(ctx, h, [ctx.run_dir / s.name for s in run], tmp, record_start=start)
+        st = _merge(ctx, h, [ctx.run_dir / s.name for s in run], tmp, record_start=start)
         publish([(tmp, out)], ctx.fsync)
+        remember(out, st)
         with ctx.sealed_lock:
             i = h.sealed.index(run[0])
             h.sealed[i : i + len(run)] = [PartEntry(name, "segment", start, end, out.stat().st_size)]
@@ -152,7 +155,10 @@ def finalize(ctx: WriterContext, h: WriterHandle, dirs: set[Path] | None = None)
     if not segs and h.base:
         return  # nothing new since the run was continued
     if not h.base and len(segs) == 1 and segs[0].start == 0:
-        os.replace(ctx.run_dir / segs[0].name, final)
+        seg = ctx.run_dir / segs[0].name
+        st = known(seg)
+        os.replace(seg, final)
+        remember(final, st)  # (a rename changes the file's identity: the same structure)
         if dirs is not None:
             dirs.add(final.parent)
         elif ctx.fsync:
@@ -161,10 +167,13 @@ def finalize(ctx: WriterContext, h: WriterHandle, dirs: set[Path] | None = None)
         tmp = final.with_name(final.name + ".partial")
         if not h.base and not segs:
             make_folder(ctx.run_dir, final.parent)
-            HandleFileWriter(tmp, ctx.identity.file_attrs(h), 0).finish()
+            empty = HandleFileWriter(tmp, ctx.identity.file_attrs(h), 0)
+            empty.finish()
+            st = empty.structure
         else:
-            _merge(ctx, h, [*h.base, *(ctx.run_dir / s.name for s in segs)], tmp)
+            st = _merge(ctx, h, [*h.base, *(ctx.run_dir / s.name for s in segs)], tmp)
         publish([(tmp, final)], ctx.fsync)
+        remember(final, st)
         for s in segs:
             (ctx.run_dir / s.name).unlink(missing_ok=True)
     with ctx.sealed_lock:

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Iterable
 
 from .._fs import CreateAhead, fsync_dir, fsync_file, publish
+from .._h5check import remember
 from .._h5write import HandleFileWriter
 from .._parts import PartEntry
 from ..budget import Budget
@@ -136,7 +137,8 @@ class OpenParts:
         finals = [ctx.run_dir / e.name for e in entries]
         ctx.tools.current = done[0][1].partial
         publish_many([(p.partial, final) for (_, p), final in zip(done, finals)], fsync)
-        for (h, _), e, final in zip(done, entries, finals):
+        for (h, p), e, final in zip(done, entries, finals):
+            remember(final, p.structure)
             with ctx.sealed_lock:
                 h.sealed.append(replace(e, nbytes=final.stat().st_size))
             h.stats.flushed = e.end

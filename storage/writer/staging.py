@@ -18,6 +18,7 @@ from typing import Any, Callable
 import numpy as np
 
 from .._fs import make_folder
+from .._h5check import Structure
 from .._h5write import FieldOut, FieldSpec, HandleFileWriter
 from .norms import l2, row_norms
 from .stats import WriterStats
@@ -203,6 +204,8 @@ class OpenPart:
         self.calls = array("q")
         self.fields: dict[str, StagedField] = {}
         self.index = 0  # bytes of its index entries (PartTools.index)
+        #: The finished file's structure (:attr:`HandleFileWriter.structure`), set by :meth:`finish`.
+        self.structure: Structure | None = None
         self._lean: dict[tuple, list[tuple[StagedField, np.dtype | None]]] = {}  # see lean_fields
 
     def file(self) -> HandleFileWriter:
@@ -459,6 +462,7 @@ class OpenPart:
         f.add_index(np.asarray(self.steps, np.int64), np.asarray(self.calls, np.int64))
         self.tools.files.release(self)
         f.finish()
+        self.structure = f.structure
         self.tools.index -= self.index
         self.index = 0
 

@@ -14,6 +14,7 @@ import pytest
 
 from hookline.storage import dtypes
 from hookline.storage._filters import compression_kwargs
+from hookline.storage._h5check import check_structure, same_structure
 from hookline.storage._h5write import FieldSpec, HandleFileWriter
 from hookline.storage.format import FILE_FORMAT, FORMAT_VERSION, INDEX_GROUP, flat_chunk, index_chunk, record_chunk
 
@@ -51,7 +52,7 @@ def _records(dn: str, ragged: bool, shape: tuple[int, ...], n: int) -> list[np.n
     return out
 
 
-def _write_new(path: Path, fields: list) -> None:
+def _write_new(path: Path, fields: list) -> HandleFileWriter:
     """Through HandleFileWriter (the writer's code)."""
     n = max((f[-1] for f in fields), default=0)
     w = HandleFileWriter(path, ATTRS, 5, None)
@@ -71,6 +72,7 @@ def _write_new(path: Path, fields: list) -> None:
             out.norms.append(np.linspace(0, 1, k))
     w.add_index(np.arange(n, dtype=np.int64), np.zeros(n, np.int64))
     w.finish()
+    return w
 
 
 def _write_reference(path: Path, fields: list) -> None:
@@ -133,10 +135,11 @@ def _write_reference(path: Path, fields: list) -> None:
 def test_handle_file_is_byte_identical_to_h5py_high_level(tmp_path: Path, which: str) -> None:
     fields = {"all_fields": FIELDS, "one_fixed_field": FIELDS[:1], "empty": []}[which]
     new, ref = tmp_path / "new.h5", tmp_path / "ref.h5"
-    _write_new(new, fields)
+    w = _write_new(new, fields)
     _write_reference(ref, fields)
     assert new.read_bytes() == ref.read_bytes()
-    with h5py.File(new, "r") as f:  # (and it holds what it should)
+    with h5py.File(new, "r") as f:  # (and it holds what it should, as the writer says it does)
+        assert same_structure(check_structure(f, str(new)), w.structure) is None
         assert f.attrs["hookline_format"] == FILE_FORMAT
         assert f.attrs["handle_id"] == ATTRS["handle_id"]
         assert json.loads(f.attrs["fields"]) == [fl[0] for fl in fields]
