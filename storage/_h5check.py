@@ -24,7 +24,7 @@ from .errors import FormatError
 from .format import INDEX_GROUP
 
 __all__ = ["Structure", "check_structure", "checked_structure", "records_end", "root_attrs", "damaged", "attr_str",
-           "filter_names", "known", "remember", "same_structure", "HINT", "MAX_CHUNK_BYTES", "CHECK_WRITTEN_ENV"]
+           "filter_names", "forget", "known", "remember", "same_structure", "HINT", "MAX_CHUNK_BYTES", "CHECK_WRITTEN_ENV"]
 
 #: HDF5 compression filters a part may use (one per dataset), by filter id: name and the largest
 #: factor by which it can shrink data (deflate 1032, lzf ~88, lz4 ~255, zstd ~32768, Blosc2 ~17500
@@ -115,8 +115,9 @@ def check_structure(f: h5py.File | h5py.h5f.FileID, where: str) -> Structure:
     return st
 
 
-#: Structures of the files this process checked, by the identity of the file (device, inode,
-#: size, modification and change time; least recently used dropped beyond the bound).
+#: Structures of the files this process checked or wrote (:func:`remember`), by the identity of
+#: the file (device, inode, size, modification and change time; least recently used dropped
+#: beyond the bound: ~4 KB each for a one-field part, ~16 MB in all).
 _CHECKED: OrderedDict[tuple[int, ...], Structure] = OrderedDict()
 _CHECKED_MAX = 4096
 _CHECKED_LOCK = threading.Lock()
@@ -199,6 +200,18 @@ def known(path: Path) -> Structure | None:
         return _cached(_identity(os.stat(path)))
     except OSError:
         return None
+
+
+def forget(path: Path) -> Structure | None:
+    """Drop what is remembered of the file at ``path`` as it is now (call it before removing or
+    renaming a file: the entries of files that are gone would push out those of files still to
+    be merged); returns it."""
+    try:
+        ident = _identity(os.stat(path))
+    except OSError:
+        return None
+    with _CHECKED_LOCK:
+        return _CHECKED.pop(ident, None)
 
 
 def same_structure(a: Structure, b: Structure) -> str | None:

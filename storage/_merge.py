@@ -12,7 +12,7 @@ from typing import Any, Callable, Iterable, NamedTuple
 import numpy as np
 
 from ._fs import WRITEBACK_BYTES, Writeback
-from ._h5check import Structure, remember
+from ._h5check import Structure, forget, remember
 from ._h5read import Part, PartField, open_part
 from ._h5write import FieldOut, FieldSpec, HandleFileWriter
 from .errors import FormatError
@@ -94,6 +94,7 @@ def merge_files(paths: list[Path], out_path: Path, attrs: dict[str, Any],
         return merge_files(level, out_path, attrs, compression_for, record_start, writeback, mid_path)
     finally:
         for m in mids:
+            forget(m)
             m.unlink(missing_ok=True)
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Callable
 
 from .._fs import fsync_dir, make_folder, publish
-from .._h5check import Structure, known, remember
+from .._h5check import Structure, forget, remember
 from .._h5write import HandleFileWriter
 from .._merge import merge_files
 from .._parts import PartEntry
@@ -134,6 +134,8 @@ class Compactor:
         tmp = ctx.run_dir / merge_output_name(h.key, h.suffix, start, end)
         st = _merge(ctx, h, [ctx.run_dir / s.name for s in run], tmp, record_start=start)
         publish([(tmp, out)], ctx.fsync)
+        for s in run:  # (first: their entries must not push out others when the output's comes in)
+            forget(ctx.run_dir / s.name)
         remember(out, st)
         with ctx.sealed_lock:
             i = h.sealed.index(run[0])
@@ -156,7 +158,7 @@ def finalize(ctx: WriterContext, h: WriterHandle, dirs: set[Path] | None = None)
         return  # nothing new since the run was continued
     if not h.base and len(segs) == 1 and segs[0].start == 0:
         seg = ctx.run_dir / segs[0].name
-        st = known(seg)
+        st = forget(seg)
         os.replace(seg, final)
         remember(final, st)  # (a rename changes the file's identity: the same structure)
         if dirs is not None:
@@ -172,7 +174,11 @@ def finalize(ctx: WriterContext, h: WriterHandle, dirs: set[Path] | None = None)
             st = empty.structure
         else:
             st = _merge(ctx, h, [*h.base, *(ctx.run_dir / s.name for s in segs)], tmp)
+        for b in h.base:  # (the file the rename replaces)
+            forget(b)
         publish([(tmp, final)], ctx.fsync)
+        for s in segs:  # (first: their entries must not push out others when the output's comes in)
+            forget(ctx.run_dir / s.name)
         remember(final, st)
         for s in segs:
             (ctx.run_dir / s.name).unlink(missing_ok=True)

@@ -38,6 +38,20 @@ def _write(path, attrs=ATTRS) -> HandleFileWriter:
     return w
 
 
+def _flushed_run(run, steps: int, flushes: int, fields) -> None:
+    """Handles ``a`` and ``b`` record ``fields(step)`` each step; the first ``flushes`` steps
+    end with a flush (a segment per handle each); then close()."""
+    w = RunWriter(run, autoflush_s=None, fsync=False)
+    for h in ("a", "b"):
+        w.add_handle(h)
+    for s in range(steps):
+        for h in ("a", "b"):
+            w.write(h, s, 0, fields(s))
+        if s < flushes:
+            w.flush()
+    w.close()
+
+
 @pytest.fixture
 def walks(monkeypatch):
     """Counts the structure walks (the real walk runs)."""
@@ -104,14 +118,7 @@ def test_close_merges_and_reads_the_writers_own_parts_without_a_walk(tmp_path, w
     """Three flushes make three segments per handle; close() merges them into each handle's
     ``.h5``, and a reader in the same process opens those: no file is walked."""
     run = tmp_path / "run"
-    w = RunWriter(run, autoflush_s=None, fsync=False)
-    for h in ("a", "b"):
-        w.add_handle(h)
-    for s in range(3):
-        for h in ("a", "b"):
-            w.write(h, s, 0, {"x": np.full(3, s, np.float32), "r": np.arange(s + 1, dtype=np.int16)})
-        w.flush()
-    w.close()
+    _flushed_run(run, 3, 3, lambda s: {"x": np.full(3, s, np.float32), "r": np.arange(s + 1, dtype=np.int16)})
     assert walks[0] == 0
     with open_run(run) as r:
         assert np.array_equal(r["a"]["x"].read()[:, 0], [0, 1, 2])
@@ -151,3 +158,14 @@ def test_a_finished_writer_leaves_no_cycle():
             assert gone() is None
         finally:
             gc.enable()
+
+
+def test_merged_inputs_make_room_for_the_parts_still_to_merge(tmp_path, walks, monkeypatch):
+    """The entries of merged (removed) parts are dropped: with room for exactly the run's ten
+    parts, close() merges both handles without walking one (before, the first handle's final
+    pushed out a part of the second)."""
+    monkeypatch.setattr(_h5check, "_CHECKED_MAX", 10)
+    monkeypatch.setattr(_h5check, "_CHECKED", type(_h5check._CHECKED)())
+    _flushed_run(tmp_path / "run", 5, 4, lambda s: {"x": np.full(2, s, np.float32)})
+    assert walks[0] == 0
+    assert len(_h5check._CHECKED) == 2  # (the two handles' files)
