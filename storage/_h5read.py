@@ -86,6 +86,8 @@ class PartField:
         # One-record reads of a fixed field (of records with elements: h5py returns a scalar
         # for 0-d records, and an empty selection is its own case) go through _read_record.
         self._first = bool(self.shape) and all(self.shape)  # type: ignore[arg-type]
+        #: Whether block reads may go through :meth:`_read_rows` (records with elements).
+        self._lowlevel = self._first
         if self._first:
             self._mspace = h5s.create_simple(self.shape)
             self._bname = self.name.encode("utf-8")
@@ -209,10 +211,29 @@ class PartField:
         if self._checked is not None:
             self._check(a, b)
         with _reading(self._where, f"field {self.name!r}: entries [{a}, {b})"):
+            if (self._ds is None and self._lowlevel and 0 <= a < b <= self.count
+                    and (out is None or out.flags.c_contiguous)):
+                return self._read_rows(a, b, out)
             if out is None:
                 return self.ds[a:b]
             self.ds.read_direct(out, np.s_[a:b])
             return out
+
+    def _read_rows(self, a: int, b: int, out: np.ndarray | None) -> np.ndarray:
+        """Entries ``[a, b)`` through HDF5's low-level calls (see :meth:`_read_record`): a merge
+        reads each part's field once, and h5py's ``File`` and ``Dataset`` objects (and closing
+        the file through them) cost more than a small part's whole read."""
+        count = (b - a, *self.shape)  # type: ignore[misc]
+        if out is None:
+            out = np.empty(count, self._stored)
+        dsid = h5d.open(self.part.fid, self._bname)
+        try:
+            fspace = dsid.get_space()
+            fspace.select_hyperslab((a,) + self._zeros, count)
+            dsid.read(h5s.create_simple(count), fspace, out)
+        finally:
+            dsid.close()
+        return out
 
     def _check(self, a: int, b: int) -> None:
         """Check the chunk hashes of the blocks holding entries ``[a, b)`` (once per block)."""

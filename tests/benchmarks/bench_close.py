@@ -18,6 +18,10 @@ The floor, measured in the same process right after ``close()`` and in the same 
 system: creating ``N`` minimal HDF5 files (``h5py.File(path, "w")`` with one dataset holding that
 handle's recorded bytes), then one ``numpy.tofile`` of all the bytes and an ``fsync``. The
 target (issue 35): ``close()`` <= 1.5x that floor.
+
+Beside it, the format's own floor (``layout``): the same ``N`` files written as hookline parts
+(one field's records, the step/call/record/norm indexes, chunk hashes and ~25 attributes,
+through the writer's ``HandleFileWriter``), no fsync and nothing to merge.
 """
 
 from __future__ import annotations
@@ -73,8 +77,29 @@ CHILD = textwrap.dedent("""
     os.close(fd)
     bytes_s = time.perf_counter() - t
     floor_cpu = time.process_time() - c
+    # The format's own floor: each handle's records as one hookline file (its datasets, index
+    # and ~25 attributes through the writer's HandleFileWriter), no fsync, no merge.
+    from hookline.storage._h5write import FieldSpec, HandleFileWriter
+    lay = os.path.join(where, "layout")
+    os.mkdir(lay)
+    k = summary.records // n
+    recs = np.ones((k, 16, d), np.float32)
+    attrs = {"handle_id": "outputs[0]", "key": "outputs/0", "module_name": "0", "module_type": "Linear",
+             "category": "forward_hook", "hook_fn_name": "outputs", "rank": np.int64(-1),
+             "world_size": np.int64(-1), "hookline_version": "0", "meta": "{}", "run_meta": "{}",
+             "created": "2026-01-01T00:00:00+00:00", "run_uuid": "0" * 32, "run_created": "2026-01-01T00:00:00+00:00"}
+    t = time.perf_counter()
+    for i in range(n):
+        w = HandleFileWriter(os.path.join(lay, f"{i}.h5"), attrs, 0, None)
+        out = w.field(FieldSpec("outputs.0", "float32", False, (16, d), None), k)
+        out.append(recs)
+        out.records.append(np.arange(k))
+        out.norms.append(np.ones(k))
+        w.add_index(np.arange(k), np.zeros(k, np.int64))
+        w.finish()
+    layout_s = time.perf_counter() - t
     print(json.dumps({"n": n, "close_s": close_s, "close_cpu": close_cpu, "files_s": files_s,
-                      "bytes_s": bytes_s, "floor_cpu": floor_cpu, "records": summary.records,
+                      "bytes_s": bytes_s, "floor_cpu": floor_cpu, "layout_s": layout_s, "records": summary.records,
                       "bytes": summary.storage.bytes, "index_seals": summary.storage.index_seals}))
 """)
 
@@ -104,13 +129,15 @@ def main() -> None:
     print(f"hookline close benchmark: {args.handles} handles x {args.steps} steps of {64 * args.record_floats}-byte "
           f"records; {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at start\n")
     print(f"  {'case':<20} {'index seals':>11} {'close s':>8} {'close CPU s':>11} | {'floor s':>8} "
-          f"({'files':>6} + {'bytes':>6}) | {'close / floor':>13} {'ms per handle':>14}")
+          f"({'files':>6} + {'bytes':>6}) | {'close / floor':>13} {'ms per handle':>14} | "
+          f"{'layout s':>8} {'layout / floor':>14}")
     for name, flushes, budget in cases:
         r = run_case(args.handles, args.steps, args.record_floats, flushes, budget)
         floor = r["files_s"] + r["bytes_s"]
         print(f"  {name:<20} {r['index_seals']:>11} {r['close_s']:>8.2f} {r['close_cpu']:>11.2f} | {floor:>8.2f} "
               f"({r['files_s']:>6.2f} + {r['bytes_s']:>6.2f}) | {r['close_s'] / floor:>12.2f}x "
-              f"{r['close_s'] / r['n'] * 1e3:>8.2f} vs {floor / r['n'] * 1e3:.2f}", flush=True)
+              f"{r['close_s'] / r['n'] * 1e3:>8.2f} vs {floor / r['n'] * 1e3:.2f} | "
+              f"{r['layout_s']:>8.2f} {r['layout_s'] / floor:>13.2f}x", flush=True)
     print(f"\nload average {os.getloadavg()[0]:.1f} at the end; target: close / floor <= 1.5x")
 
 
