@@ -3,7 +3,7 @@
 Run:  python tests/benchmarks/bench_contention.py [--models linear6,m1,m2,dispatch]
                                                   [--threads default,1] [--rounds 9] [--steps 4]
                                                   [--policies normal,nice,idle] [--gil]
-                                                  [--load]
+                                                  [--load] [--malloc default|tuned]
 
 Models (every module's output and its gradient captured every step, ``loss.backward()``):
   linear6   6 x Linear(1024), batch 256 (~12 MiB a step; compute-bound);
@@ -35,6 +35,11 @@ the training thread inside CPython's ``take_gil`` is a wait for the GIL. Printed
 and as a share of the added step time.
 
 ``--load`` starts one busy process per core beside the benchmark (no free core anywhere).
+
+``--malloc tuned`` re-runs the script with bench_capture.py's glibc settings (freed memory kept
+in the heap, no mmap below 32 MiB): with glibc's defaults torch returns freed activation memory to
+the kernel and faults it back in every step, in a pattern any hook changes, and those faults land
+in the training thread's CPU.
 """
 
 from __future__ import annotations
@@ -277,12 +282,19 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--gil", action="store_true", help="also the GIL wait per step (needs py-spy)")
     p.add_argument("--load", action="store_true", help="keep every core busy with a CPU burner")
+    p.add_argument("--malloc", choices=("default", "tuned"), default="default",
+                   help="tuned: glibc keeps freed memory in the heap (bench_capture.py's TUNED_MALLOC)")
     a = p.parse_args(argv)
+    if a.malloc == "tuned" and os.environ.get("MALLOC_TRIM_THRESHOLD_") is None:
+        from bench_capture import TUNED_MALLOC  # (re-run with the settings: glibc reads them at start)
+
+        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **TUNED_MALLOC})
     burners = [mp.Process(target=_burn, daemon=True) for _ in range(os.cpu_count() or 1)] if a.load else []
     for b in burners:
         b.start()
     try:
-        print(f"{os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}{', with burners' if a.load else ''}")
+        print(f"{os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}{', with burners' if a.load else ''}, "
+              f"malloc {a.malloc}")
         names = ["none", "list", *a.policies.split(",")]
         for m in a.models.split(","):
             for t in a.threads.split(","):
