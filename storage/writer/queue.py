@@ -100,7 +100,11 @@ class WriteQueue:
         self._items: deque[Message] = deque()
         self._max_bytes = budget.bytes if max_bytes is None else max_bytes
         self._floor = min(self._max_bytes, budget.bytes // 2)  # what charge() always leaves
-        self._wake_bytes = budget.wake_bytes
+        #: Queued bytes that wake the writer thread, and how long the first record queued below
+        #: them waits at most (the writer's batches; settable for a measurement of larger bursts,
+        #: tests/benchmarks/bench_contention.py ``burst``).
+        self.wake_bytes = budget.wake_bytes
+        self.wake_latency_s = WAKE_LATENCY_S
         self._policy = policy
         self._stats = stats
         self._where = where
@@ -166,7 +170,7 @@ class WriteQueue:
             # Wake the writer thread per batch, not per record: every wake-up is a GIL hand-off
             # that stalls the training thread (see Budget.wake_bytes).
             self._queued_bytes += nbytes
-            if self._queued_bytes >= self._wake_bytes and not self._wake_sent:
+            if self._queued_bytes >= self.wake_bytes and not self._wake_sent:
                 self._wake_sent = True
                 self.cond.notify_all()
         return True
@@ -239,13 +243,13 @@ class WriteQueue:
         """Wait for a batch and take it (the writer thread).
 
         Returns at once for control messages, drops and blocked callers; otherwise once
-        :attr:`Budget.wake_bytes` are queued or the oldest record waited :data:`WAKE_LATENCY_S`;
+        :attr:`wake_bytes` are queued or the oldest record waited :attr:`wake_latency_s`;
         and at ``flush_at`` (``time.monotonic()``; the batch may then be empty). With a caller
         blocked and nothing queued, returns when ``has_staged()`` (staged data must be written).
         """
         with self.cond:
             while True:
-                if self._items and (self._urgent or self._waiting or self._queued_bytes >= self._wake_bytes):
+                if self._items and (self._urgent or self._waiting or self._queued_bytes >= self.wake_bytes):
                     break
                 timeout = None
                 if flush_at is not None:
@@ -254,10 +258,11 @@ class WriteQueue:
                         break
                 if self._waiting and has_staged():
                     break
-                # Records below the batch size are taken WAKE_LATENCY_S after the first
+                # Records below the batch size are taken wake_latency_s after the first
                 # of them was queued (put_record() does not wake us for them: it stamps the time).
                 since = self._since if self._items else None
-                left = WAKE_LATENCY_S if since is None else since + WAKE_LATENCY_S - time.monotonic()
+                wait = self.wake_latency_s
+                left = wait if since is None else since + wait - time.monotonic()
                 if self._items and left <= 0:
                     break
                 left = max(left, 0.001)

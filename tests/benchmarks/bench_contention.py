@@ -2,7 +2,7 @@
 
 Run:  python tests/benchmarks/bench_contention.py [--models linear6,m1,m2,dispatch]
                                                   [--threads default,1] [--rounds 9] [--steps 4]
-                                                  [--policies normal,nice,idle] [--gil]
+                                                  [--policies normal,nice,idle,burst] [--gil]
                                                   [--load] [--malloc default|tuned]
 
 Models (every module's output and its gradient captured every step, ``loss.backward()``):
@@ -19,7 +19,10 @@ variants are timed in interleaved rounds (order shuffled per round) in this one 
                 priority;
   hl-nice       ``writer_priority="nice"``: the writer threads at nice 19 (Linux, per thread);
   hl-idle       the writer threads put under ``SCHED_IDLE`` by this script (not a hookline
-                option: this is the measurement that ruled it out).
+                option: this is the measurement that ruled it out);
+  hl-burst      ``nice``, and the writer woken in fewer, larger batches: at 128 MiB queued or
+                2 s after the first record (the default: 16 MiB or 0.2 s), set on its queue
+                by this script (not a hookline option: a measurement of batching).
 Printed: step time / none (median over rounds, min-max), the training thread's CPU / none
 ("train": torch's own worker threads are not counted), and the CPU each variant adds per
 captured GB (the training thread's added CPU plus, for hookline, its writer threads' CPU read
@@ -122,13 +125,18 @@ class Lists(Variant):
         self.kept.clear()
 
 
+#: ``hl-burst``: the writer's wake-up threshold and latency (8x and 10x the defaults).
+BURST_BYTES = 128 << 20
+BURST_LATENCY_S = 2.0
+
+
 class Hookline(HooklineVariant):
     """bench_peers' Recorder of every module's outputs and grads, its writer threads at ``policy``."""
 
     def __init__(self, name: str, policy: str) -> None:
         super().__init__(name)
         self.policy = policy
-        self.recorder_kw = {"writer_priority": "normal" if policy == "idle" else policy}
+        self.recorder_kw = {"writer_priority": {"idle": "normal", "burst": "nice"}.get(policy, policy)}
 
     def arm(self, model, x, train, tmp):
         before = set(threading.enumerate())
@@ -137,6 +145,9 @@ class Hookline(HooklineVariant):
         if self.policy == "idle":  # (threads they start later inherit it)
             for tid in self.threads:
                 os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+        if self.policy == "burst":
+            q = self.rec._writer._queue
+            q.wake_bytes, q.wake_latency_s = BURST_BYTES, BURST_LATENCY_S
 
     def background_cpu(self) -> float:
         """CPU seconds the writer's threads used so far (their own counters: none of it is
