@@ -1,6 +1,7 @@
 """hookline beside what people use today, on two realistic models (issue 25's peers table).
 
 Run:  python tests/benchmarks/bench_peers.py [--models m1,m2] [--modes forward,train]
+                                             [--variants none,hookline,list,disk,...]
                                              [--rounds 7] [--steps 6] [--load]
 
 Models (torch with one intra-op thread, as in bench_capture.py):
@@ -15,6 +16,11 @@ Variants, timed in interleaved rounds (the order shuffled each round) in this on
   hookline   ``Recorder(every=1)`` outputs (+ grads) into its HDF5 run;
   list       hooks appending ``.detach().clone()`` to Python lists (cleared between rounds);
   naive      hooks writing each record straight to h5py (``resize`` by one + write, chunks=True);
+  disk       the floor of any capture that keeps the bytes on this disk: hooks that clone each
+             tensor (the snapshot every asynchronous recorder takes) and hand it to a thread that
+             ``pwrite``\ s it to one file, with writeback started every 32 MiB, at most 512 MB
+             waiting (the Recorder's default budget: the hook waits beyond it) and an ``fsync``
+             at the end (not a hookline variant: a list of clones that also reaches the disk);
   torchlens  ``torchlens.trace(model, x)`` (saves every op's output by default) (forward only; skipped if not installed);
   nnsight    ``NNsight(model).trace(x)`` saving every module's output (forward only; likewise).
 
@@ -228,6 +234,60 @@ class NaiveVariant(TorchHookVariant):
         self.f.close()
 
 
+class DiskFloorVariant(TorchHookVariant):
+    """Clones handed to a thread that writes them with ``pwrite`` (see the module docstring)."""
+
+    BUDGET = 512 << 20
+    KICK = 32 << 20
+
+    def open(self, tmp):
+        import queue
+        import threading
+
+        self.fd = os.open(tmp / "floor.bin", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        self.q: queue.Queue = queue.Queue()
+        self.cond = threading.Condition()
+        self.waiting = 0  # bytes queued and not yet written
+        self.off = 0
+        self.thread = threading.Thread(target=self._write, daemon=True)
+        self.thread.start()
+
+    def sink(self, name, t):
+        c = t.detach().clone(memory_format=torch.contiguous_format)
+        with self.cond:
+            while self.waiting + c.nbytes > self.BUDGET and self.waiting:
+                self.cond.wait()
+            self.waiting += c.nbytes
+        self.q.put(c)
+
+    def _write(self):
+        since = 0
+        while True:
+            c = self.q.get()
+            if c is None:
+                return
+            b = (c.view(torch.uint8) if c.dtype == torch.bfloat16 else c).numpy()
+            os.pwrite(self.fd, b, self.off)
+            self.off += b.nbytes
+            since += b.nbytes
+            if since >= self.KICK:
+                if hasattr(os, "sync_file_range"):
+                    os.sync_file_range(self.fd, self.off - since, since, os.SYNC_FILE_RANGE_WRITE)
+                os.posix_fadvise(self.fd, 0, max(0, self.off - 2 * since), os.POSIX_FADV_DONTNEED)
+                since = 0
+            with self.cond:
+                self.waiting -= c.nbytes
+                self.cond.notify_all()
+
+    def close(self):
+        # (like the Recorder's writer, its backlog is written on while other variants run)
+        super().close()
+        self.q.put(None)
+        self.thread.join()
+        os.fsync(self.fd)
+        os.close(self.fd)
+
+
 class TorchlensVariant(Variant):
     def arm(self, model, x, train, tmp):
         import torchlens
@@ -262,7 +322,8 @@ def _attr(root, dotted: str):
 
 
 VARIANTS = {"none": Variant, "hookline": HooklineVariant, "list": ListVariant,
-            "naive": NaiveVariant, "torchlens": TorchlensVariant, "nnsight": NnsightVariant}
+            "naive": NaiveVariant, "disk": DiskFloorVariant, "torchlens": TorchlensVariant,
+            "nnsight": NnsightVariant}
 
 
 def captured_bytes(model: nn.Module, x: torch.Tensor, train: bool) -> int:
