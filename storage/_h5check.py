@@ -157,11 +157,17 @@ def checked_structure(f: h5py.File | h5py.h5f.FileID, where: str) -> Structure:
     if st is None:
         st = check_structure(f, where)
         if ident is not None:
-            with _CHECKED_LOCK:
-                _CHECKED[ident] = st
-                while len(_CHECKED) > _CHECKED_MAX:
-                    _CHECKED.popitem(last=False)
+            _store(ident, st)
     return st
+
+
+def _store(ident: tuple[int, ...], st: Structure) -> None:
+    """Keep ``st`` under ``ident`` as the most recently used (dropping beyond the bound)."""
+    with _CHECKED_LOCK:
+        _CHECKED[ident] = st
+        _CHECKED.move_to_end(ident)
+        while len(_CHECKED) > _CHECKED_MAX:
+            _CHECKED.popitem(last=False)
 
 
 #: Set (to anything but "" or "0") to walk every file a writer :func:`remember`\ s as well and
@@ -187,11 +193,7 @@ def remember(path: Path, st: Structure | None) -> None:
             walked = check_structure(f, str(path))
         diff = same_structure(walked, st)
         assert diff is None, f"{str(path)!r}: the writer's account of the file differs from its walk: {diff}"
-    with _CHECKED_LOCK:
-        _CHECKED[ident] = st
-        _CHECKED.move_to_end(ident)
-        while len(_CHECKED) > _CHECKED_MAX:
-            _CHECKED.popitem(last=False)
+    _store(ident, st)
 
 
 def known(path: Path) -> Structure | None:
@@ -354,14 +356,18 @@ def _check_dataset(oid: h5d.DatasetID, name: str, size: int, where: str) -> tupl
     if layout == h5d.CHUNKED and math.prod(dcpl.get_chunk()) * dt.itemsize > MAX_CHUNK_BYTES:
         raise damaged(where, f"dataset {name!r} declares chunks {dcpl.get_chunk()} over "
                               f"{MAX_CHUNK_BYTES >> 20} MiB")
-    return shape, [_COMPRESSORS[c][0] if c in _COMPRESSORS else _TRANSFORMS[c] for c in codes]
+    return shape, _names(codes)
+
+
+def _names(codes: list[int]) -> list[str]:
+    """The names of allowed filter ids, in order."""
+    return [_COMPRESSORS[c][0] if c in _COMPRESSORS else _TRANSFORMS[c] for c in codes]
 
 
 def filter_names(dcpl: h5py.h5p.PropDCID) -> list[str]:
     """The names :func:`check_structure` gives the filters of a dataset creation list (a writer
     noting what it wrote: only filters it may use)."""
-    codes = [dcpl.get_filter(i)[0] for i in range(dcpl.get_nfilters())]
-    return [_COMPRESSORS[c][0] if c in _COMPRESSORS else _TRANSFORMS[c] for c in codes]
+    return _names([dcpl.get_filter(i)[0] for i in range(dcpl.get_nfilters())])
 
 
 def attr_str(a: Any) -> str:

@@ -464,12 +464,13 @@ def _write_field_index(idx: h5g.GroupID, out: FieldOut, st: Structure) -> bool:
             nrm = np.concatenate(out.norms) if out.norms else np.zeros(0)
             _create_dataset(g, "norm", _F64_T, (m,), index_chunk(m), nrm.astype(np.float64)).close()
             st.add(f"{at}/norm", {}, (m,), np.float64)
+        rows: dict[str, Any] | None = {}  # (the hash dataset's attribute, as read back)
         if out.hasher is not None:
             hashes = out.hasher.finish()
             hds = _create_dataset(g, HASH_DATASET, _U64_T, (len(hashes),), index_chunk(len(hashes)), hashes)
-            st.add(f"{at}/{HASH_DATASET}", _set_attrs(hds, {"rows": np.int64(out.hasher.rows)}) or {},
-                   (len(hashes),), np.uint64)
+            rows = _set_attrs(hds, {"rows": np.int64(out.hasher.rows)})
             hds.close()
+            st.add(f"{at}/{HASH_DATASET}", rows or {}, (len(hashes),), np.uint64)
         # (attributes before the ragged index's datasets, the shape after: h5py's order)
         back = _set_attrs(out.ds, {"dtype": spec.dtype_name, "layout": "ragged" if spec.ragged else "fixed",
                                    "ndim": np.int64(spec.ndim), "records": np.int64(m)})
@@ -485,6 +486,6 @@ def _write_field_index(idx: h5g.GroupID, out: FieldOut, st: Structure) -> bool:
             more = _set_attrs(out.ds, {"shape": np.asarray(spec.shape, dtype=np.int64)})
             back = None if back is None or more is None else {**back, **more}
         st.add(spec.name, back or {}, (out.n, *out._tail), out.stored, out.filters)
-        return back is not None
+        return back is not None and rows is not None
     finally:
         g.close()

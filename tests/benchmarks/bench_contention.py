@@ -64,7 +64,7 @@ import torch.nn as nn
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_peers import (INPUTS, HooklineVariant, Variant, _burn, build as build_peer,  # noqa: E402
-                         interleave, make_step, modules)
+                         interleave, make_step, modules, pwrite_kicked)
 
 
 
@@ -187,14 +187,8 @@ def floor_cpu_per_gb(tensors: list[torch.Tensor], where: Path, steps: int = 20) 
     for _ in range(steps):
         for t in tensors:
             b = t.clone(memory_format=torch.contiguous_format).numpy()
-            os.pwrite(fd, b, off)
+            since = pwrite_kicked(fd, b, off, since)
             off += b.nbytes
-            since += b.nbytes
-            if since >= 32 << 20:
-                if hasattr(os, "sync_file_range"):
-                    os.sync_file_range(fd, off - since, since, os.SYNC_FILE_RANGE_WRITE)
-                os.posix_fadvise(fd, 0, max(0, off - 2 * since), os.POSIX_FADV_DONTNEED)
-                since = 0
     os.fsync(fd)
     cpu = time.thread_time() - c0
     os.close(fd)

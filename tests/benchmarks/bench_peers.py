@@ -234,11 +234,28 @@ class NaiveVariant(TorchHookVariant):
         self.f.close()
 
 
+#: Bytes between two writeback kicks of the floor's ``pwrite`` loop (the writer's own: 32 MiB).
+KICK_BYTES = 32 << 20
+
+
+def pwrite_kicked(fd: int, b: np.ndarray, off: int, since: int) -> int:
+    """``pwrite`` ``b`` at ``off``; every :data:`KICK_BYTES` start writeback of what was written
+    and drop the pages written before, as the writer does. Returns the bytes since the last kick."""
+    os.pwrite(fd, b, off)
+    since += b.nbytes
+    if since >= KICK_BYTES:
+        end = off + b.nbytes
+        if hasattr(os, "sync_file_range"):
+            os.sync_file_range(fd, end - since, since, os.SYNC_FILE_RANGE_WRITE)
+        os.posix_fadvise(fd, 0, max(0, end - 2 * since), os.POSIX_FADV_DONTNEED)
+        since = 0
+    return since
+
+
 class DiskFloorVariant(TorchHookVariant):
     """Clones handed to a thread that writes them with ``pwrite`` (see the module docstring)."""
 
     BUDGET = 512 << 20
-    KICK = 32 << 20
 
     def open(self, tmp):
         import queue
@@ -267,14 +284,8 @@ class DiskFloorVariant(TorchHookVariant):
             if c is None:
                 return
             b = (c.view(torch.uint8) if c.dtype == torch.bfloat16 else c).numpy()
-            os.pwrite(self.fd, b, self.off)
+            since = pwrite_kicked(self.fd, b, self.off, since)
             self.off += b.nbytes
-            since += b.nbytes
-            if since >= self.KICK:
-                if hasattr(os, "sync_file_range"):
-                    os.sync_file_range(self.fd, self.off - since, since, os.SYNC_FILE_RANGE_WRITE)
-                os.posix_fadvise(self.fd, 0, max(0, self.off - 2 * since), os.POSIX_FADV_DONTNEED)
-                since = 0
             with self.cond:
                 self.waiting -= c.nbytes
                 self.cond.notify_all()
